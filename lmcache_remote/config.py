@@ -1,0 +1,249 @@
+"""Configuration: `CacheConfig` and `load_config`.
+
+`CacheConfig` is a frozen dataclass; building one validates every field and raises
+`ConfigError` naming the first bad one, so a bad configuration fails at start-up, never in the
+middle of inference. `load_config(path=None, **overrides)` merges, lowest first:
+
+1. the defaults below;
+2. a YAML file (`path`, or the file named by `LMCR_CONFIG`): a mapping of field names;
+3. `LMCR_<FIELD>` environment variables (`LMCR_REMOTE_URL`, `LMCR_CHUNK_SIZE`, ...);
+4. keyword overrides.
+
+An unknown key in the file or in the overrides is a `ConfigError` too (a typo must not be
+silently ignored). Environment strings are parsed by the field's type: `true/false/1/0/yes/no/
+on/off` for booleans, `none`/`null`/empty for optional fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lmcache_remote.errors import ConfigError
+
+GIB = 1024**3
+ENV_PREFIX = "LMCR_"
+ENV_CONFIG_FILE = "LMCR_CONFIG"
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_CODECS = ("raw", "lz4")
+_CERT_REQS = ("required", "optional", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Every knob of the cache, validated on construction. Sizes in GiB, times in seconds."""
+
+    chunk_size: int = 256
+    """Tokens per chunk; chunks are the unit of hashing, storage and hits."""
+    remote_url: str | None = "redis://127.0.0.1:6379/0"
+    """The Redis/Valkey URL (`redis://`, `rediss://`, `unix://`); None = no remote tier."""
+    key_prefix: str = "lmcr"
+    """First segment of every Redis key; the CLI touches keys under it only."""
+    local_cpu: bool = True
+    """Keep chunks in a local CPU tier (LRU by bytes) in front of Redis."""
+    max_local_cpu_size: float = 5.0
+    """GiB of CPU memory for chunks: the local tier and the write-behind queue share it."""
+    serde: str = "lz4"
+    """Codec of values in Redis: `raw` or `lz4`."""
+    remote_ttl: float | None = None
+    """Expiry of values in Redis, in seconds; None = no expiry (rely on maxmemory-policy)."""
+    save_unfull_chunk: bool = False
+    """Also store the last, partial chunk of a request."""
+    store_async: bool = True
+    """Write to Redis from a background thread (write-behind); `flush()` drains it."""
+    remote_timeout: float = 2.0
+    """Bound, in seconds, on every remote call (connect, command, pipeline)."""
+    unhealthy_backoff: float = 1.0
+    """Seconds the remote tier is skipped after a failure (doubles up to 30 s while it fails)."""
+    store_queue_size: float = 1.0
+    """GiB of chunks the write-behind queue may hold; past it new writes are dropped and counted."""
+    remote_part_size: int = 4 * 1024 * 1024 - 64 * 1024
+    """Raw bytes per Redis value when a chunk is split into several values (parts)."""
+    serde_threads: int = 0
+    """Threads for compression; 0 = one per CPU core."""
+    ssl_ca_certs: str | None = None
+    """CA bundle for `rediss://` (also accepted as a URL query parameter)."""
+    ssl_certfile: str | None = None
+    """Client certificate for `rediss://`."""
+    ssl_keyfile: str | None = None
+    """Client key for `rediss://`."""
+    ssl_cert_reqs: str = "required"
+    """Server certificate check for `rediss://`: `required`, `optional` or `none`."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
+        _validate(self)
+
+    @property
+    def max_local_cpu_bytes(self) -> int:
+        return int(self.max_local_cpu_size * GIB)
+
+    @property
+    def store_queue_bytes(self) -> int:
+        return int(self.store_queue_size * GIB)
+
+
+def _positive(cfg: CacheConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise ConfigError(name, f"must be a positive number, got {value!r}")
+
+
+def _validate(cfg: CacheConfig) -> None:
+    for name in ("chunk_size", "max_local_cpu_size", "remote_ttl", "remote_timeout",
+                 "unhealthy_backoff", "store_queue_size", "remote_part_size"):
+        _positive(cfg, name)
+    if cfg.serde_threads < 0:
+        raise ConfigError("serde_threads", f"must be >= 0, got {cfg.serde_threads}")
+    if not 4096 <= cfg.remote_part_size <= 512 * 1024 * 1024:
+        raise ConfigError("remote_part_size", "must be between 4096 and 512 MiB (Redis's limit)")
+    if not _PREFIX_RE.match(cfg.key_prefix):
+        raise ConfigError("key_prefix", f"must match {_PREFIX_RE.pattern}, got {cfg.key_prefix!r}")
+    if cfg.serde not in _CODECS:
+        raise ConfigError("serde", f"must be one of {', '.join(_CODECS)}, got {cfg.serde!r}")
+    if cfg.ssl_cert_reqs not in _CERT_REQS:
+        raise ConfigError("ssl_cert_reqs", f"must be one of {', '.join(_CERT_REQS)}")
+    if cfg.remote_url is not None:
+        _check_url(cfg.remote_url)
+
+
+_URL_SCHEMES = ("redis", "rediss", "unix")
+
+
+def _check_url(url: str) -> None:
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in _URL_SCHEMES or not rest:
+        raise ConfigError(
+            "remote_url",
+            f"must look like redis://host:port/db ({', '.join(s + '://' for s in _URL_SCHEMES)}),"
+            f" got {mask_url(url)!r}",
+        )
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by `***` (for logs, errors and CLI output)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, qmark, query = rest.partition("?")
+    userinfo, at, host = authority.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        authority = f"{user}:***@{host}" if colon else f"***@{host}"
+    if qmark:
+        query = re.sub(r"(^|&)(password=)[^&]*", r"\1\2***", query)
+    return f"{scheme}://{authority}{qmark}{query}"
+
+
+@typing.no_type_check
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(CacheConfig)
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    """(the concrete type, whether None is allowed) of a field annotation."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        concrete = [a for a in args if a is not type(None)]
+        return concrete[0], True
+    return annotation, False
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    typ, optional = _base_type(annotation)
+    if value is None:
+        if not optional:
+            raise ConfigError(name, "must not be empty")
+        return
+    ok = isinstance(value, typ) and not (typ is not bool and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ConfigError(name, f"must be of type {typ.__name__}, got {value!r}")
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    typ, optional = _base_type(_field_types()[name])
+    text = raw.strip()
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if typ is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError(text)
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(name, f"cannot parse {raw!r} as {typ.__name__}") from None
+    return text
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """YAML gives ints where floats are meant; accept those, keep everything else as is."""
+    typ, _ = _base_type(_field_types()[name])
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(CacheConfig))
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("config_file", f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("config_file", f"{path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("config_file", f"{path} must hold a mapping of field names")
+    return dict(data)
+
+
+def _check_known(values: Mapping[str, Any], where: str) -> None:
+    known = set(field_names())
+    for key in values:
+        if key not in known:
+            raise ConfigError(str(key), f"unknown configuration key ({where})")
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> CacheConfig:
+    """Defaults < YAML file < `LMCR_*` environment < `overrides`; validated."""
+    merged: dict[str, Any] = {}
+    path = path if path is not None else os.environ.get(ENV_CONFIG_FILE) or None
+    if path is not None:
+        from_file = _read_yaml(path)
+        _check_known(from_file, f"in {path}")
+        merged.update({k: _coerce(k, v) for k, v in from_file.items()})
+    for name in field_names():
+        raw = os.environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            merged[name] = _parse_env(name, raw)
+    _check_known(overrides, "override")
+    merged.update({k: _coerce(k, v) for k, v in overrides.items()})
+    return CacheConfig(**merged)

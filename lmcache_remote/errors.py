@@ -1,0 +1,49 @@
+"""The library's exceptions.
+
+Every error the library raises on purpose derives from `LmcrError`, so a caller can catch one
+type. Storage wraps redis-py's exceptions at its boundary (`raise BackendUnavailableError(...)
+from exc`); nothing above storage ever sees a redis-py exception. `CacheEngine` itself never
+lets a remote failure escape `store`, `retrieve` or `lookup`: it counts and logs it instead.
+"""
+
+from __future__ import annotations
+
+
+class LmcrError(Exception):
+    """Base of every lmcache-remote error."""
+
+
+class ConfigError(LmcrError, ValueError):
+    """A configuration value is missing, malformed or out of range; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class KeyFormatError(LmcrError, ValueError):
+    """A string is not a valid cache key (or a key field is invalid)."""
+
+
+class SerdeError(LmcrError):
+    """A value could not be encoded or decoded."""
+
+
+class CorruptEntryError(SerdeError):
+    """A stored value is not what its key promises (damaged, truncated, foreign, misplaced)."""
+
+
+class BackendError(LmcrError):
+    """A storage backend failed."""
+
+
+class BackendUnavailableError(BackendError):
+    """The backend cannot be reached (refused, reset, down, or skipped while unhealthy)."""
+
+
+class BackendTimeoutError(BackendError):
+    """The backend did not answer within `remote_timeout`."""
+
+
+class BackendPermissionError(BackendError):
+    """The backend refused a command for lack of rights (Redis ACL NOPERM / NOAUTH)."""
