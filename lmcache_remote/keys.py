@@ -1,0 +1,158 @@
+"""Cache keys: the one module that builds and parses every Redis key of the project.
+
+A chunk is named by a `CacheEngineKey` (model, world size, worker, dtype, chunk hash). Its Redis
+key is
+
+    {key_prefix}:v1:{model_name}:{world_size}:{worker_id}:{dtype}:{{chunk_hash}}
+
+with literal braces around the hash: a Redis Cluster hash tag, so chunks spread over the slots
+while every value of one chunk (the part keys `...}#1`, `...}#2`) shares a slot. The model name
+is percent-escaped (`%`, `:`, `{`, `}`), so no name can split the key or move its hash tag, and
+`to_string`/`from_string` round-trip every name. Nothing else in the project may put a `:` or a
+brace into a key by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from lmcache_remote.errors import KeyFormatError
+
+KEY_VERSION = "v1"
+PART_SEP = "#"
+_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+_DTYPE_RE = re.compile(r"^[a-z][a-z0-9_]{1,31}$")
+_ESCAPES = {"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"}
+_UNESCAPE_RE = re.compile(r"%(25|3A|7B|7D)")
+_UNESCAPES = {v[1:]: k for k, v in _ESCAPES.items()}
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+def escape_model_name(name: str) -> str:
+    """Percent-escape the characters that would break a key: `%`, `:`, `{`, `}`."""
+    return "".join(_ESCAPES.get(ch, ch) for ch in name)
+
+
+def unescape_model_name(escaped: str) -> str:
+    stray = _UNESCAPE_RE.sub("", escaped)
+    if any(ch in stray for ch in "%:{}"):
+        raise KeyFormatError(f"bad escaping in model name {escaped!r}")
+    return _UNESCAPE_RE.sub(lambda m: _UNESCAPES[m.group(1)], escaped)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEngineKey:
+    """The identity of one chunk of KV: whose model, which rank, which dtype, which tokens."""
+
+    model_name: str
+    world_size: int
+    worker_id: int
+    dtype: str
+    chunk_hash: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise KeyFormatError("model_name must be a non-empty string")
+        for name in ("world_size", "worker_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise KeyFormatError(f"{name} must be a non-negative int, got {value!r}")
+        if self.world_size < 1 or self.worker_id >= self.world_size:
+            raise KeyFormatError(
+                f"need 0 <= worker_id < world_size, got {self.worker_id}/{self.world_size}"
+            )
+        if not isinstance(self.dtype, str) or not _DTYPE_RE.match(self.dtype):
+            raise KeyFormatError(f"dtype must be a torch dtype name, got {self.dtype!r}")
+        if not isinstance(self.chunk_hash, str) or not _HASH_RE.match(self.chunk_hash):
+            raise KeyFormatError(f"chunk_hash must be 32 lowercase hex digits: {self.chunk_hash!r}")
+
+    @property
+    def hash_bytes(self) -> bytes:
+        return bytes.fromhex(self.chunk_hash)
+
+    def to_string(self) -> str:
+        """`model:world_size:worker_id:dtype:hash`, the model name escaped."""
+        return (
+            f"{escape_model_name(self.model_name)}:{self.world_size}:{self.worker_id}:"
+            f"{self.dtype}:{self.chunk_hash}"
+        )
+
+    @classmethod
+    def from_string(cls, s: str) -> CacheEngineKey:
+        parts = s.split(":")
+        if len(parts) != 5:
+            raise KeyFormatError(f"expected 5 ':'-separated fields, got {s!r}")
+        model, world, worker, dtype, chunk_hash = parts
+        return cls(unescape_model_name(model), _int(world), _int(worker), dtype, chunk_hash)
+
+    def redis_key(self, prefix: str) -> str:
+        """The Redis key of the chunk's first (or only) value."""
+        return (
+            f"{prefix}:{KEY_VERSION}:{escape_model_name(self.model_name)}:{self.world_size}:"
+            f"{self.worker_id}:{self.dtype}:{{{self.chunk_hash}}}"
+        )
+
+    def part_keys(self, prefix: str, count: int) -> list[str]:
+        """The keys of a chunk kept as `count` values: the chunk key, then `#1`, `#2`, ..."""
+        base = self.redis_key(prefix)
+        return [base] + [f"{base}{PART_SEP}{i}" for i in range(1, count)]
+
+    @classmethod
+    def from_redis_key(cls, prefix: str, key: str | bytes) -> CacheEngineKey:
+        """Parse a chunk key (not a part key) under `prefix`; `KeyFormatError` otherwise."""
+        text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        head = f"{prefix}:{KEY_VERSION}:"
+        if not text.startswith(head) or not text.endswith("}"):
+            raise KeyFormatError(f"not a chunk key under {prefix!r}: {text!r}")
+        body, brace, chunk_hash = text[len(head):-1].rpartition(":{")
+        if not brace:
+            raise KeyFormatError(f"no {{hash}} tag in {text!r}")
+        return cls.from_string(f"{body}:{chunk_hash}")
+
+
+def _int(text: str) -> int:
+    if not text.isdigit() or (len(text) > 1 and text[0] == "0"):
+        raise KeyFormatError(f"expected a decimal integer, got {text!r}")
+    return int(text)
+
+
+def split_part_key(prefix: str, key: str | bytes) -> tuple[CacheEngineKey, int]:
+    """(the chunk's key, the part index) of any value key under `prefix`."""
+    text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+    base, sep, index = text.rpartition(PART_SEP)
+    if sep and base.endswith("}"):
+        if not index.isdigit() or index.startswith("0"):
+            raise KeyFormatError(f"bad part index in {text!r}")
+        return CacheEngineKey.from_redis_key(prefix, base), int(index)
+    return CacheEngineKey.from_redis_key(prefix, text), 0
+
+
+def _glob_escape(text: str) -> str:
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def scan_pattern(
+    prefix: str,
+    model_name: str | None = None,
+    world_size: int | None = None,
+    worker_id: int | None = None,
+    dtype: str | None = None,
+) -> str:
+    """A SCAN MATCH pattern for chunk values under `prefix`, narrowed by the given fields.
+
+    It matches part keys too; callers that count chunks keep the keys whose part index is 0.
+    """
+    fields = [
+        escape_model_name(model_name) if model_name is not None else None,
+        str(world_size) if world_size is not None else None,
+        str(worker_id) if worker_id is not None else None,
+        dtype,
+    ]
+    body = ":".join("*" if f is None else _glob_escape(f) for f in fields)
+    return f"{_glob_escape(prefix)}:{KEY_VERSION}:{body}:{{*"
+
+
+def prefix_pattern(prefix: str) -> str:
+    """A SCAN MATCH pattern for every key the project writes under `prefix`."""
+    return f"{_glob_escape(prefix)}:*"

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from lmcache_remote.hashing import KeyNamespace, TokenDatabase, chunk_hashes, tokens_to_array
+
+NS = KeyNamespace("m", 1, 0, "bfloat16")
+
+
+def reference_hashes(tokens: list[int], chunk: int, salt: str | None = None) -> list[str]:
+    """DESIGN.md's spec, written the slow obvious way."""
+    prev = bytes(16) if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    out = []
+    for i in range(0, len(tokens), chunk):
+        data = b"".join(t.to_bytes(4, "little") for t in tokens[i:i + chunk])
+        prev = hashlib.blake2b(prev + data, digest_size=16).digest()
+        out.append(prev.hex())
+    return out
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a", "ünïcode"])
+def test_matches_spec(salt: str | None) -> None:
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(0, 2**32, 1000, dtype=np.uint64)]
+    got = [h.hex() for h in chunk_hashes(tokens_to_array(tokens), 256, salt)]
+    assert got == reference_hashes(tokens, 256, salt)
+
+
+def test_input_kinds_agree_and_range_checked() -> None:
+    ids = [0, 1, 2**32 - 1, 7]
+    arrays = [tokens_to_array(x) for x in (ids, np.array(ids, dtype=np.uint64),
+                                            torch.tensor(ids, dtype=torch.int64))]
+    for arr in arrays:
+        assert arr.dtype == np.dtype("<u4") and arr.tolist() == ids
+    for bad in ([-1], [2**32], torch.tensor([1.0]), torch.tensor([[1, 2]]), ["a"]):
+        with pytest.raises(ValueError):
+            tokens_to_array(bad)
+
+
+def test_token_database_chunks_and_partial() -> None:
+    tokens = list(range(1000))
+    db = TokenDatabase(NS, 256, save_unfull_chunk=False)
+    specs = db.chunks(tokens, for_store=True)
+    assert [(s.start, s.end) for s in specs] == [(0, 256), (256, 512), (512, 768)]
+    assert [s.key.chunk_hash for s in specs] == reference_hashes(tokens, 256)[:3]
+    assert db.chunks(tokens, for_store=False)[-1].end == 1000
+    db_partial = TokenDatabase(NS, 256, save_unfull_chunk=True)
+    assert db_partial.chunks(tokens, for_store=True)[-1].end == 1000
+
+
+def test_mask_skips_prefix_and_is_validated() -> None:
+    db = TokenDatabase(NS, 256, save_unfull_chunk=False)
+    mask = torch.ones(1000, dtype=torch.bool)
+    mask[:512] = False
+    specs = db.chunks(list(range(1000)), mask, for_store=True)
+    assert [(s.start, s.end) for s in specs] == [(512, 768)]
+    assert specs[0].key.chunk_hash == reference_hashes(list(range(1000)), 256)[2]
+    bad = torch.ones(1000, dtype=torch.bool)
+    bad[:100] = False
+    with pytest.raises(ValueError, match="multiple"):
+        db.chunks(list(range(1000)), bad)
+    holes = torch.ones(1000, dtype=torch.bool)
+    holes[300:400] = False
+    with pytest.raises(ValueError, match="prefix"):
+        db.chunks(list(range(1000)), holes)
+    with pytest.raises(ValueError):
+        db.chunks(list(range(1000)), torch.ones(999, dtype=torch.bool))
