@@ -1,0 +1,465 @@
+"""KV views: batched copies between an engine's KV cache and canonical chunk tensors.
+
+A `KVView` wraps the KV cache of one request as the engine holds it (`PagedKV` for vLLM's
+paged caches, `DenseKV` for the Hugging Face layout) and addresses it by token position:
+position i is `slot_mapping[i]` in a paged cache, index i of the sequence axis in a dense one.
+`num_tokens_capacity` is how many positions the view addresses.
+
+Canonical chunk tensor (what `memory`, `serde` and Redis hold): a C-contiguous tensor of
+`chunk_shape(num_tokens) == (num_layers, kv_planes, num_tokens, num_kv_heads, head_size)` in
+the cache's dtype; plane 0 is K and plane 1 is V, or a single plane with one head for MLA
+(one latent vector per token).
+
+Contract:
+
+- `gather(ranges, dsts)`: for every `(start, end)`, fills `dsts[i]` (a tensor of
+  `chunk_shape(end - start)` and the view's dtype; CPU, pinned when the cache is on CUDA)
+  with the K/V of positions `start..end-1` for all layers. It only reads the cache.
+- `scatter(ranges, srcs)`: the reverse: writes those positions' K/V from `srcs[i]` into the
+  cache and touches nothing else in it (no other slot, position or block). `srcs` are only
+  read. Ranges written in one call must not overlap (nor, for a paged cache, share slots).
+- `gather_layer(layer, ...)` / `scatter_layer(layer, ...)`: the same for one layer, for
+  layer-by-layer transfer; `dsts` / `srcs` are still whole chunk tensors, and only their
+  `[layer]` part is written / read.
+- Every call validates everything before the first copy (ranges inside the view, tensor shapes
+  and dtypes, slots non-negative: vLLM pads with slot -1) and raises `ValueError` on bad input,
+  leaving the cache and the destinations as they were. Every call returns with its copies
+  complete (on CUDA after one stream synchronize), so its tensors may be reused at once.
+
+How: one call is one batch. Its ranges are cut into groups whose device staging tensor stays
+under `staging_bytes`; per group, one indexing op per layer gathers every token of every range
+into the staging tensor, tokens in range order (chunk-major), then one copy per chunk moves its
+slice into the destination (device -> pinned host, non_blocking). Scatter runs the same steps
+backwards (host -> device copies into staging, then one `index_put_` per layer). A single range
+is never split, so one range may exceed the staging bound. No Python loop runs per token.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = ["DEFAULT_STAGING_BYTES", "PAGED_LAYOUTS", "DenseKV", "KVView", "PagedKV"]
+
+DEFAULT_STAGING_BYTES = 256 << 20
+PAGED_LAYOUTS = ("kv_split", "packed", "mla")
+
+Range = tuple[int, int]
+_Index = TypeVar("_Index")
+
+# Per paged layout: the axis of block ids and the axis of in-block offsets in one layer's
+# tensor, then the token axis of advanced indexing on those two (adjacent index axes keep their
+# place, separated ones move to the front).
+_PAGED_AXES = {"kv_split": (1, 2, 1), "packed": (0, 2, 0), "mla": (0, 1, 0)}
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    kv_planes: int
+    num_kv_heads: int
+    head_size: int
+    num_tokens: int
+
+
+class KVView(ABC, Generic[_Index]):
+    """One request's KV cache, addressed by token position; see the module docstring."""
+
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+
+    _geometry: _Geometry  # set by every subclass's __init__
+    _token_dim: int  # the token axis of `_native_shape`
+
+    @property
+    def device(self) -> torch.device:
+        return self._geometry.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._geometry.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self._geometry.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._geometry.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self._geometry.head_size
+
+    @property
+    def kv_planes(self) -> int:
+        """2 (K and V), or 1 for MLA's single latent."""
+        return self._geometry.kv_planes
+
+    @property
+    def num_tokens_capacity(self) -> int:
+        """How many token positions the view addresses (valid ranges lie in [0, this])."""
+        return self._geometry.num_tokens
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (self.num_layers, self.kv_planes, num_tokens, self.num_kv_heads, self.head_size)
+
+    def gather(self, ranges: Sequence[Range], dsts: Sequence[torch.Tensor]) -> None:
+        self._copy(range(self.num_layers), ranges, dsts, to_host=True)
+
+    def scatter(self, ranges: Sequence[Range], srcs: Sequence[torch.Tensor]) -> None:
+        self._copy(range(self.num_layers), ranges, srcs, to_host=False)
+
+    def gather_layer(
+        self, layer: int, ranges: Sequence[Range], dsts: Sequence[torch.Tensor]
+    ) -> None:
+        self._copy(self._one_layer(layer), ranges, dsts, to_host=True)
+
+    def scatter_layer(
+        self, layer: int, ranges: Sequence[Range], srcs: Sequence[torch.Tensor]
+    ) -> None:
+        self._copy(self._one_layer(layer), ranges, srcs, to_host=False)
+
+    # Layout hooks. The staging tensor of a group is `[len(layers), *_native_shape(n)]`.
+
+    @abstractmethod
+    def _native_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of one layer's gathered tokens, in the layout the cache indexes into."""
+
+    @abstractmethod
+    def _index(self, ranges: list[Range]) -> _Index:
+        """Whatever `_take` / `_put` need to address the tokens of `ranges`, in order."""
+
+    @abstractmethod
+    def _take(self, layer: int, index: _Index, out: torch.Tensor) -> None:
+        """Copy the indexed tokens of `layer` into `out` (device, native shape)."""
+
+    @abstractmethod
+    def _put(self, layer: int, index: _Index, src: torch.Tensor) -> None:
+        """Write `src` (device, native shape) into the indexed tokens of `layer`."""
+
+    @abstractmethod
+    def _to_canonical(self, staged: torch.Tensor) -> torch.Tensor:
+        """View `[layers, *native]` as `[layers, kv_planes, tokens, heads, head_size]`."""
+
+    def _check_tokens(self, ranges: list[Range], write: bool) -> None:
+        """Layout-specific checks of the addressed tokens (none by default)."""
+
+    # The shared batched copy.
+
+    def _one_layer(self, layer: int) -> range:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        return range(layer, layer + 1)
+
+    def _copy(
+        self,
+        layers: range,
+        ranges: Sequence[Range],
+        tensors: Sequence[torch.Tensor],
+        to_host: bool,
+    ) -> None:
+        checked = self._check(ranges, tensors, write=not to_host)
+        token_bytes = len(layers) * math.prod(self._native_shape(1)) * self.dtype.itemsize
+        per_group = max(1, self.staging_bytes // max(1, token_bytes))
+        for group in _groups(checked, list(tensors), per_group):
+            self._copy_group(layers, group, to_host)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _copy_group(
+        self, layers: range, group: list[tuple[Range, torch.Tensor]], to_host: bool
+    ) -> None:
+        ranges = [r for r, _ in group]
+        offsets = [0, *accumulate(end - start for start, end in ranges)]
+        index = self._index(ranges)
+        staging = torch.empty(
+            (len(layers), *self._native_shape(offsets[-1])), dtype=self.dtype, device=self.device
+        )
+        if to_host:
+            for i, layer in enumerate(layers):
+                self._take(layer, index, staging[i])
+        for ((start, end), host), offset in zip(group, offsets[:-1], strict=True):
+            staged = staging.narrow(self._token_dim + 1, offset, end - start)
+            device_view = self._to_canonical(staged)
+            host_view = host[layers.start : layers.stop]
+            if to_host:
+                host_view.copy_(device_view, non_blocking=True)
+            else:
+                device_view.copy_(host_view, non_blocking=True)
+        if not to_host:
+            for i, layer in enumerate(layers):
+                self._put(layer, index, staging[i])
+
+    def _check(
+        self, ranges: Sequence[Range], tensors: Sequence[torch.Tensor], write: bool
+    ) -> list[Range]:
+        if len(ranges) != len(tensors):
+            raise ValueError(f"{len(ranges)} ranges but {len(tensors)} tensors")
+        checked = [self._check_range(r) for r in ranges]
+        for (start, end), tensor in zip(checked, tensors, strict=True):
+            self._check_tensor(tensor, end - start)
+        if write:
+            _check_disjoint(checked)
+        self._check_tokens(checked, write)
+        return checked
+
+    def _check_range(self, token_range: Range) -> Range:
+        try:
+            start, end = (operator.index(v) for v in token_range)
+        except TypeError as exc:
+            raise ValueError(f"token range {token_range!r} is not a pair of ints") from exc
+        if not 0 <= start <= end <= self.num_tokens_capacity:
+            raise ValueError(
+                f"token range ({start}, {end}) outside [0, {self.num_tokens_capacity}]"
+            )
+        return start, end
+
+    def _check_tensor(self, tensor: torch.Tensor, num_tokens: int) -> None:
+        shape = self.chunk_shape(num_tokens)
+        if tuple(tensor.shape) != shape or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"chunk tensor is {tuple(tensor.shape)} {tensor.dtype}, "
+                f"expected {shape} {self.dtype}"
+            )
+
+
+class PagedKV(KVView[list[torch.Tensor | None]]):
+    """vLLM's paged KV cache: one tensor per layer and the request's slot mapping.
+
+    Layouts, detected from the shape unless `layout` names one:
+    `kv_split` `[2, num_blocks, block_size, num_kv_heads, head_size]` (5 dims, dim 0 == 2),
+    `packed` `[num_blocks, num_kv_heads, block_size, 2 * head_size]` (4 dims; K is the first
+    half of the last dim, V the second), `mla` `[num_blocks, block_size, head_size]` (3 dims).
+    `slot_mapping[i] = block_id * block_size + offset` is the slot of position i; it is read
+    once, into CPU memory, at construction. Negative slots (padding) are allowed in the
+    mapping but are an error for any position a call copies.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor | Sequence[int],
+        *,
+        layout: str | None = None,
+    ) -> None:
+        self._layers = list(kv_caches)
+        first = _check_uniform(self._layers, "kv_caches")
+        self.layout = _detect_layout(tuple(first.shape), layout)
+        self.num_blocks, self.block_size, heads, head_size = _paged_geometry(
+            self.layout, tuple(first.shape)
+        )
+        self._slots = _slot_tensor(slot_mapping, self.num_blocks * self.block_size)
+        planes = 1 if self.layout == "mla" else 2
+        self._geometry = _Geometry(
+            first.device, first.dtype, len(kv_caches), planes, heads, head_size, len(self._slots)
+        )
+        self._token_dim = _PAGED_AXES[self.layout][2]
+
+    def _native_shape(self, num_tokens: int) -> tuple[int, ...]:
+        if self.layout == "kv_split":
+            return (2, num_tokens, self.num_kv_heads, self.head_size)
+        if self.layout == "packed":
+            return (num_tokens, self.num_kv_heads, 2 * self.head_size)
+        return (num_tokens, self.head_size)
+
+    def _check_tokens(self, ranges: list[Range], write: bool) -> None:
+        slots = self._slots_of(ranges)
+        if bool((slots < 0).any()):
+            position = _first_position(ranges, int(torch.nonzero(slots < 0)[0]))
+            raise ValueError(f"token {position} has a negative slot (padding); cannot copy it")
+        if write and len(torch.unique(slots)) != len(slots):
+            raise ValueError("scatter ranges map two tokens to the same slot")
+
+    def _index(self, ranges: list[Range]) -> list[torch.Tensor | None]:
+        slots = self._slots_of(ranges).to(self.device)
+        block_axis, offset_axis, _ = _PAGED_AXES[self.layout]
+        index: list[torch.Tensor | None] = [None] * (offset_axis + 1)
+        index[block_axis] = torch.div(slots, self.block_size, rounding_mode="floor")
+        index[offset_axis] = torch.remainder(slots, self.block_size)
+        return index
+
+    def _take(self, layer: int, index: list[torch.Tensor | None], out: torch.Tensor) -> None:
+        torch.ops.aten.index.Tensor_out(self._layers[layer], index, out=out)
+
+    def _put(self, layer: int, index: list[torch.Tensor | None], src: torch.Tensor) -> None:
+        torch.ops.aten.index_put_(self._layers[layer], index, src)
+
+    def _to_canonical(self, staged: torch.Tensor) -> torch.Tensor:
+        if self.layout == "kv_split":
+            return staged
+        if self.layout == "packed":
+            return staged.unflatten(-1, (2, self.head_size)).permute(0, 3, 1, 2, 4)
+        return staged.unsqueeze(1).unsqueeze(3)
+
+    def _slots_of(self, ranges: list[Range]) -> torch.Tensor:
+        if not ranges:
+            return self._slots[:0]
+        return torch.cat([self._slots[start:end] for start, end in ranges])
+
+
+_Spans = list[tuple[int, int, int]]
+
+
+class DenseKV(KVView[_Spans]):
+    """The Hugging Face cache: per layer K and V of `[num_kv_heads, T, head_size]` or
+    `[1, num_kv_heads, T, head_size]`; position i is index i of the T axis. Copies are slices
+    of the sequence axis (consecutive ranges merge into one slice); no index tensors."""
+
+    _token_dim = 2
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} key layers but {len(values)} value layers")
+        self._keys = [_dense_3d(k, "keys") for k in keys]
+        self._values = [_dense_3d(v, "values") for v in values]
+        _check_uniform(self._keys + self._values, "keys and values")
+        heads, length, head_size = self._keys[0].shape
+        first = self._keys[0]
+        self._geometry = _Geometry(
+            first.device, first.dtype, len(self._keys), 2, heads, head_size, length
+        )
+
+    def _native_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (2, self.num_kv_heads, num_tokens, self.head_size)
+
+    def _index(self, ranges: list[Range]) -> _Spans:
+        """(start, end, staging offset) per run of consecutive ranges."""
+        spans: _Spans = []
+        offset = 0
+        for start, end in ranges:
+            if spans and spans[-1][1] == start:
+                first, _, span_offset = spans[-1]
+                spans[-1] = (first, end, span_offset)
+            else:
+                spans.append((start, end, offset))
+            offset += end - start
+        return spans
+
+    def _take(self, layer: int, index: _Spans, out: torch.Tensor) -> None:
+        for start, end, offset in index:
+            out[0, :, offset : offset + end - start].copy_(self._keys[layer][:, start:end])
+            out[1, :, offset : offset + end - start].copy_(self._values[layer][:, start:end])
+
+    def _put(self, layer: int, index: _Spans, src: torch.Tensor) -> None:
+        for start, end, offset in index:
+            self._keys[layer][:, start:end].copy_(src[0, :, offset : offset + end - start])
+            self._values[layer][:, start:end].copy_(src[1, :, offset : offset + end - start])
+
+    def _to_canonical(self, staged: torch.Tensor) -> torch.Tensor:
+        return staged.transpose(2, 3)
+
+
+def _groups(
+    ranges: list[Range], tensors: list[torch.Tensor], max_tokens: int
+) -> list[list[tuple[Range, torch.Tensor]]]:
+    """Consecutive runs of (range, tensor) holding at most `max_tokens` tokens (or one range)."""
+    groups: list[list[tuple[Range, torch.Tensor]]] = []
+    tokens = 0
+    for (start, end), tensor in zip(ranges, tensors, strict=True):
+        if not groups or tokens + end - start > max_tokens:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(((start, end), tensor))
+        tokens += end - start
+    return groups
+
+
+def _check_disjoint(ranges: list[Range]) -> None:
+    ordered = sorted(r for r in ranges if r[0] < r[1])
+    for (_, end), (start, _) in pairwise(ordered):
+        if start < end:
+            raise ValueError("scatter ranges overlap")
+
+
+def _first_position(ranges: list[Range], flat_index: int) -> int:
+    """The token position of element `flat_index` of the concatenated ranges."""
+    for start, end in ranges:
+        if flat_index < end - start:
+            return start + flat_index
+        flat_index -= end - start
+    raise AssertionError("flat index past the ranges")
+
+
+def _check_uniform(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+    """Every tensor has the first one's shape, dtype and device; returns the first."""
+    if not tensors:
+        raise ValueError(f"{what}: no layers given")
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}[{i}] is {type(t).__name__}, not a torch.Tensor")
+        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(
+                f"{what}: tensor {i} is {tuple(t.shape)} {t.dtype} on {t.device}, tensor 0 "
+                f"is {tuple(first.shape)} {first.dtype} on {first.device}; all must match"
+            )
+    return first
+
+
+def _detect_layout(shape: tuple[int, ...], layout: str | None) -> str:
+    if len(shape) == 5 and shape[0] == 2:
+        found = "kv_split"
+    elif len(shape) == 4:
+        found = "packed"
+    elif len(shape) == 3:
+        found = "mla"
+    else:
+        raise ValueError(
+            f"paged KV layer of shape {shape} matches no layout: expected "
+            "[2, num_blocks, block_size, num_kv_heads, head_size] (kv_split), "
+            "[num_blocks, num_kv_heads, block_size, 2 * head_size] (packed) or "
+            "[num_blocks, block_size, head_size] (mla)"
+        )
+    if layout is not None and layout != found:
+        if layout not in PAGED_LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; expected one of {PAGED_LAYOUTS}")
+        raise ValueError(f"layout {layout!r} given, but shape {shape} is a {found} layout")
+    return found
+
+
+def _paged_geometry(layout: str, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(num_blocks, block_size, num_kv_heads, head_size) of one layer's tensor."""
+    if layout == "kv_split":
+        return shape[1], shape[2], shape[3], shape[4]
+    if layout == "packed":
+        if shape[3] % 2:
+            raise ValueError(f"packed layout needs an even last dim (2 * head_size): {shape}")
+        return shape[0], shape[2], shape[1], shape[3] // 2
+    return shape[0], shape[1], 1, shape[2]
+
+
+def _slot_tensor(slot_mapping: torch.Tensor | Sequence[int], num_slots: int) -> torch.Tensor:
+    slots = torch.as_tensor(slot_mapping)
+    bad_dtype = slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool
+    if slots.ndim != 1 or (slots.numel() and bad_dtype):
+        raise ValueError(f"slot_mapping must be a 1-D integer sequence, got {tuple(slots.shape)}")
+    slots = slots.to(device="cpu", dtype=torch.int64)
+    if slots.numel() and int(slots.max()) >= num_slots:
+        position = int(torch.argmax(slots))
+        raise ValueError(
+            f"slot_mapping[{position}] = {int(slots[position])} is past the cache's "
+            f"{num_slots} slots"
+        )
+    return slots
+
+
+def _dense_3d(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{what}: expected torch.Tensor layers, got {type(tensor).__name__}")
+    if tensor.ndim == 4 and tensor.shape[0] == 1:
+        return tensor[0]
+    if tensor.ndim == 3:
+        return tensor
+    raise ValueError(
+        f"{what}: layer of shape {tuple(tensor.shape)} is neither [num_kv_heads, T, head_size] "
+        "nor [1, num_kv_heads, T, head_size]"
+    )
