@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from lmcache_remote.memory import ChunkLayout, MemoryPool
+
+LAYOUT = ChunkLayout(2, 2, 4, torch.bfloat16)
+
+
+def test_pool_bound_and_reuse() -> None:
+    size = LAYOUT.nbytes(16)
+    pool = MemoryPool(3 * size, pin_memory=False)
+    objs = [pool.allocate(LAYOUT.shape(16), LAYOUT.dtype) for _ in range(3)]
+    assert all(o is not None for o in objs)
+    assert pool.allocate(LAYOUT.shape(16), LAYOUT.dtype) is None
+    assert pool.failed_allocations == 1
+    first = objs[0]
+    assert first is not None
+    ptr = first.tensor.data_ptr()
+    first.release()
+    again = pool.allocate(LAYOUT.shape(16), LAYOUT.dtype)
+    assert again is not None and again.tensor.data_ptr() == ptr  # a freed buffer is reused
+    assert again.tensor.shape == LAYOUT.shape(16) and again.tensor.dtype == torch.bfloat16
+
+
+def test_refcount_keeps_buffer_until_last_release() -> None:
+    pool = MemoryPool(LAYOUT.nbytes(16), pin_memory=False)
+    obj = pool.allocate(LAYOUT.shape(16), LAYOUT.dtype)
+    assert obj is not None
+    obj.retain()
+    obj.release()
+    assert pool.used_bytes == LAYOUT.nbytes(16)
+    obj.release()
+    assert pool.used_bytes == 0
+    try:
+        obj.release()
+    except RuntimeError:
+        pass
+    else:  # pragma: no cover
+        raise AssertionError("double release must fail")
+
+
+def test_free_buffers_of_other_sizes_are_dropped_for_room() -> None:
+    pool = MemoryPool(LAYOUT.nbytes(16) + LAYOUT.nbytes(8), pin_memory=False)
+    a = pool.allocate(LAYOUT.shape(16), LAYOUT.dtype)
+    b = pool.allocate(LAYOUT.shape(8), LAYOUT.dtype)
+    assert a is not None and b is not None
+    a.release()
+    b.release()
+    c = pool.allocate(LAYOUT.shape(24), LAYOUT.dtype)
+    assert c is not None and pool.held_bytes <= pool.max_bytes
+
+
+def test_threads_allocate_and_release_consistently() -> None:
+    pool = MemoryPool(LAYOUT.nbytes(4) * 8, pin_memory=False)
+
+    def work() -> None:
+        for _ in range(500):
+            obj = pool.allocate(LAYOUT.shape(4), LAYOUT.dtype)
+            if obj is not None:
+                obj.retain()
+                obj.release()
+                obj.release()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert pool.used_bytes == 0 and pool.held_bytes <= pool.max_bytes
