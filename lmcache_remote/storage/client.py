@@ -1,0 +1,132 @@
+"""Redis connections: building clients from a URL, the retry policy, and error translation.
+
+Every redis-py exception stops here: `translate` turns it into a `BackendError` subclass whose
+message carries no password. `RemoteCaller.call` runs one remote operation under the project's
+explicit retry policy:
+
+- redis-py's own retries are off (its default turned a refused connection into a 3.6 s wait);
+- a connection error (reset, refused, broken pooled connection after a server restart) is
+  retried once, at once, if less than half of `remote_timeout` has passed; a timeout is never
+  retried, so a hung server costs one `remote_timeout`;
+- a `HealthGate` in front: after a failure the remote is skipped (`BackendUnavailableError`
+  at once) until its back-off ends, then one call probes it.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoPermissionError
+from redis.retry import Retry
+
+from lmcache_remote.config import CacheConfig, mask_url
+from lmcache_remote.errors import (
+    BackendError,
+    BackendPermissionError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    ConfigError,
+)
+from lmcache_remote.storage.health import HealthGate
+
+T = TypeVar("T")
+SSL_QUERY_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+
+def split_ssl_params(url: str) -> tuple[str, dict[str, str]]:
+    """The URL without its `ssl_*` query parameters, and those parameters."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    ssl = {k: v for k, v in query if k in SSL_QUERY_PARAMS}
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k not in SSL_QUERY_PARAMS])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), ssl
+
+
+def client_kwargs(config: CacheConfig) -> dict[str, Any]:
+    """redis-py keyword arguments that bound every call by `remote_timeout`, retries off."""
+    return {
+        "socket_timeout": config.remote_timeout,
+        "socket_connect_timeout": config.remote_timeout,
+        "retry": Retry(NoBackoff(), 0),
+        "retry_on_timeout": False,
+        "health_check_interval": 0,
+        "socket_keepalive": True,
+    }
+
+
+def make_client(config: CacheConfig, url: str | None = None) -> redis.Redis:
+    """A redis-py client for `url` (default: the config's), TLS options from config or URL."""
+    url = url if url is not None else config.remote_url
+    if url is None:
+        raise ConfigError("remote_url", "no remote URL configured")
+    clean, ssl_params = split_ssl_params(url)
+    kwargs = client_kwargs(config)
+    if clean.startswith("rediss://"):
+        kwargs.update(
+            ssl_ca_certs=config.ssl_ca_certs,
+            ssl_certfile=config.ssl_certfile,
+            ssl_keyfile=config.ssl_keyfile,
+            ssl_cert_reqs=config.ssl_cert_reqs,
+        )
+        kwargs.update(ssl_params)
+    elif ssl_params:
+        raise ConfigError("remote_url", "ssl_* parameters need a rediss:// URL")
+    try:
+        return redis.Redis.from_url(clean, **kwargs)
+    except ValueError as exc:
+        raise ConfigError("remote_url", f"{mask_url(url)}: {exc}") from None
+
+
+def translate(exc: BaseException, where: str = "redis") -> BackendError:
+    """The library error for a redis-py (or socket) exception; no password in the message."""
+    text = mask_url(str(exc))
+    if isinstance(exc, BackendError):
+        return exc
+    if isinstance(exc, (redis.TimeoutError, TimeoutError)):
+        return BackendTimeoutError(f"{where}: timed out ({text})")
+    if isinstance(exc, (redis.AuthenticationError, NoPermissionError)) or (
+        isinstance(exc, redis.ResponseError) and text.startswith(("NOPERM", "NOAUTH", "WRONGPASS"))
+    ):
+        return BackendPermissionError(f"{where}: permission denied ({text})")
+    if isinstance(exc, (redis.ConnectionError, OSError)):
+        return BackendUnavailableError(f"{where}: unavailable ({text})")
+    return BackendError(f"{where}: {type(exc).__name__}: {text}")
+
+
+_FAILURES = (redis.RedisError, OSError)
+
+
+class RemoteCaller:
+    """Runs remote operations under the retry policy and a health gate."""
+
+    def __init__(self, timeout: float, gate: HealthGate, where: str = "redis") -> None:
+        self.timeout = timeout
+        self.gate = gate
+        self.where = where
+
+    def call(self, op: Callable[[], T]) -> T:
+        if not self.gate.allow():
+            raise BackendUnavailableError(f"{self.where}: skipped while unhealthy (backing off)")
+        start = time.monotonic()
+        try:
+            result = self._with_retry(op, start)
+        except _FAILURES as exc:
+            self.gate.failure()
+            raise translate(exc, self.where) from exc
+        self.gate.success()
+        return result
+
+    def _with_retry(self, op: Callable[[], T], start: float) -> T:
+        try:
+            return op()
+        except redis.TimeoutError:
+            raise
+        except redis.ConnectionError:
+            if time.monotonic() - start > self.timeout / 2:
+                raise
+            return op()

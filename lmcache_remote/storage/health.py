@@ -1,0 +1,54 @@
+"""HealthGate: after a remote failure, skip the remote tier for a back-off instead of waiting.
+
+A failed remote call opens the gate's back-off (`unhealthy_backoff` seconds, doubling on each
+further failure up to `max_backoff`). While it is open, `allow()` answers False at once, so a
+dead or hung Redis costs inference nothing but a clock read. When the back-off ends, one call
+is let through as a probe; its success closes the gate, its failure re-opens it, longer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class HealthGate:
+    """Thread-safe circuit breaker with exponential back-off and a single probe."""
+
+    def __init__(self, backoff: float, max_backoff: float = 30.0) -> None:
+        self._base = backoff
+        self._max = max(max_backoff, backoff)
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._until = 0.0
+        self._probing = False
+
+    @property
+    def healthy(self) -> bool:
+        return self._failures == 0
+
+    def allow(self) -> bool:
+        """Whether a remote call may be made now (False while backing off or probing)."""
+        with self._lock:
+            if self._failures == 0:
+                return True
+            if self._probing or time.monotonic() < self._until:
+                return False
+            self._probing = True
+            return True
+
+    def success(self) -> None:
+        with self._lock:
+            self._failures = 0
+            self._probing = False
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            self._probing = False
+            delay = min(self._max, self._base * 2 ** min(self._failures - 1, 16))
+            self._until = time.monotonic() + delay
+
+    def reset(self) -> None:
+        """Forget past failures (used after an explicit reconnect)."""
+        self.success()

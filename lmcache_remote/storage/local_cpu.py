@@ -1,0 +1,109 @@
+"""LocalCPUTier: chunks kept in this process's CPU memory, least recently used evicted first.
+
+The tier holds one reference on each `MemoryObj` it keeps; `get` hands the caller a reference
+of its own, so an eviction never frees memory a retrieve is still copying from. Its byte bound
+is the memory pool's: when an allocation fails, the manager evicts from here (`evict_lru`) and
+tries again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from lmcache_remote.hashing import ChunkSpec
+from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.memory import MemoryObj
+from lmcache_remote.metrics import Metrics
+from lmcache_remote.storage.base import StorageTier
+
+
+class LocalCPUTier(StorageTier):
+    """An LRU map of chunk key -> MemoryObj. Thread-safe."""
+
+    name = "local"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._entries: OrderedDict[CacheEngineKey, MemoryObj] = OrderedDict()
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._metrics = metrics
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def contains(self, specs: Sequence[ChunkSpec]) -> list[bool]:
+        with self._lock:
+            return [s.key in self._entries for s in specs]
+
+    def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
+        objs = self.get_each(specs)
+        cut = next((i for i, o in enumerate(objs) if o is None), len(objs))
+        for obj in objs[cut:]:
+            if obj is not None:
+                obj.release()
+        return [o for o in objs[:cut] if o is not None]
+
+    def get_each(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj | None]:
+        """Per chunk, a reference the caller owns, or None; refreshes the LRU order."""
+        out: list[MemoryObj | None] = []
+        with self._lock:
+            for spec in specs:
+                obj = self._entries.get(spec.key)
+                if obj is not None:
+                    self._entries.move_to_end(spec.key)
+                    obj = obj.retain()
+                out.append(obj)
+        return out
+
+    def put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> int:
+        stored = 0
+        with self._lock:
+            for key, obj in zip(keys, objs, strict=True):
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    continue
+                self._entries[key] = obj.retain()
+                self._bytes += obj.nbytes
+                stored += 1
+        return stored
+
+    def delete(self, keys: Sequence[CacheEngineKey]) -> int:
+        removed = []
+        with self._lock:
+            for key in keys:
+                obj = self._entries.pop(key, None)
+                if obj is not None:
+                    self._bytes -= obj.nbytes
+                    removed.append(obj)
+        for obj in removed:
+            obj.release()
+        return len(removed)
+
+    def evict_lru(self) -> bool:
+        """Drop the least recently used chunk; False when the tier is empty."""
+        with self._lock:
+            if not self._entries:
+                return False
+            _, obj = self._entries.popitem(last=False)
+            self._bytes -= obj.nbytes
+        self._metrics.inc("local.evicted_chunks")
+        self._metrics.inc("local.evicted_bytes", obj.nbytes)
+        obj.release()
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            objs = list(self._entries.values())
+            self._entries.clear()
+            self._bytes = 0
+        for obj in objs:
+            obj.release()
+
+    def close(self) -> None:
+        self.clear()

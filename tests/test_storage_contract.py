@@ -1,0 +1,87 @@
+"""One contract suite for every storage tier: local CPU, Redis 7, Valkey."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lmcache_remote import CacheConfig
+from lmcache_remote.hashing import KeyNamespace, TokenDatabase
+from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
+from lmcache_remote.metrics import Metrics
+from lmcache_remote.storage.base import StorageTier
+from lmcache_remote.storage.local_cpu import LocalCPUTier
+from lmcache_remote.storage.redis_tier import RedisTier
+
+LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)
+DB = TokenDatabase(KeyNamespace("contract/model", 1, 0, "bfloat16"), 64, save_unfull_chunk=True)
+
+
+@pytest.fixture(params=["local", "redis", "valkey"])
+def tier(request: pytest.FixtureRequest, key_prefix: str) -> Iterator[StorageTier]:
+    pool = MemoryPool(64 * 1024 * 1024, pin_memory=False)
+    if request.param == "local":
+        yield LocalCPUTier(Metrics())
+        return
+    url = request.getfixturevalue(f"{request.param}_server").url
+    cfg = CacheConfig(remote_url=url, key_prefix=key_prefix, remote_part_size=8192)
+    t = RedisTier(cfg, LAYOUT, pool, Metrics())
+    yield t
+    t.close()
+
+
+def chunks(n_tokens: int, seed: int) -> tuple[list, list[MemoryObj]]:
+    pool = MemoryPool(64 * 1024 * 1024, pin_memory=False)
+    specs = DB.chunks(list(range(seed, seed + n_tokens)))
+    gen = torch.Generator().manual_seed(seed)
+    objs = []
+    for s in specs:
+        obj = pool.allocate(LAYOUT.shape(s.num_tokens), LAYOUT.dtype)
+        assert obj is not None
+        obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen).to(LAYOUT.dtype))
+        objs.append(obj)
+    return specs, objs
+
+
+def test_put_contains_get_round_trip(tier: StorageTier) -> None:
+    specs, objs = chunks(64 * 3 + 10, seed=1)  # three full chunks and a partial one
+    assert tier.contains(specs) == [False] * 4
+    assert tier.put([s.key for s in specs], objs) == 4
+    assert tier.contains(specs) == [True] * 4
+    got = tier.get(specs)
+    assert len(got) == 4
+    for want, have in zip(objs, got, strict=True):
+        assert torch.equal(want.tensor, have.tensor)
+        have.release()
+
+
+def test_get_stops_at_first_missing(tier: StorageTier) -> None:
+    specs, objs = chunks(64 * 4, seed=2)
+    tier.put([s.key for s in specs], objs)
+    assert tier.delete([specs[2].key]) == 1
+    assert tier.delete([specs[2].key]) == 0
+    assert tier.contains(specs) == [True, True, False, True]
+    assert tier.leading_hits(specs) == 2
+    got = tier.get(specs)
+    assert len(got) == 2
+    for obj in got:
+        obj.release()
+
+
+def test_tier_keeps_its_own_reference(tier: StorageTier) -> None:
+    specs, objs = chunks(64, seed=3)
+    expected = objs[0].tensor.clone()
+    tier.put([specs[0].key], objs)
+    objs[0].release()  # the caller lets go; the tier's copy must survive
+    got = tier.get(specs)
+    assert len(got) == 1 and torch.equal(got[0].tensor, expected)
+    got[0].release()
+
+
+def test_empty_batches(tier: StorageTier) -> None:
+    assert tier.contains([]) == []
+    assert tier.get([]) == []
+    assert tier.put([], []) == 0
+    assert tier.delete([]) == 0
