@@ -1,0 +1,1 @@
+"""The `lmcache-remote` command line: a thin Click layer over the library."""

@@ -1,0 +1,1 @@
+"""Engine adapters (transformers, vLLM). Each submodule imports its engine only when used."""

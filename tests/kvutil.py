@@ -1,0 +1,96 @@
+"""Test helpers: engines on a test server, random KV caches in every layout, and an
+independent (slow, obvious) way to read a token's KV out of a cache for comparisons."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lmcache_remote import CacheConfig, CacheEngine, DenseKV, EngineMetadata, PagedKV
+
+LAYERS, HEADS, HEAD = 2, 2, 8
+BLOCK, BLOCKS = 16, 160
+SENTINEL = 7.0
+
+
+def metadata(dtype: torch.dtype = torch.bfloat16, model: str = "test/model", worker: int = 0,
+             world: int = 1) -> EngineMetadata:
+    return EngineMetadata(model, world, worker, dtype, LAYERS, HEADS, HEAD)
+
+
+def engine(url: str | None, prefix: str, meta: EngineMetadata | None = None,
+           **overrides: Any) -> CacheEngine:
+    cfg: dict[str, Any] = {"remote_url": url, "key_prefix": prefix, "chunk_size": 256,
+                           "remote_timeout": 1.0, "max_local_cpu_size": 0.25}
+    cfg.update(overrides)
+    return CacheEngine(CacheConfig(**cfg), meta or metadata())
+
+
+def paged_cache(layout: str, dtype: torch.dtype, seed: int | None, fill: float = 7.0
+                ) -> list[torch.Tensor]:
+    shape = ((2, BLOCKS, BLOCK, HEADS, HEAD) if layout == "kv_split"
+             else (BLOCKS, HEADS, BLOCK, 2 * HEAD))
+    if seed is None:
+        return [torch.full(shape, fill, dtype=dtype) for _ in range(LAYERS)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(LAYERS)]
+
+
+def slots(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(BLOCKS * BLOCK, generator=gen)[:n].to(torch.int64)
+
+
+def dense_cache(num_tokens: int, dtype: torch.dtype, seed: int | None, batch_dim: bool = True
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    shape = (1, HEADS, num_tokens, HEAD) if batch_dim else (HEADS, num_tokens, HEAD)
+    if seed is None:
+        make = lambda: torch.full(shape, SENTINEL, dtype=dtype)  # noqa: E731
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        make = lambda: torch.randn(shape, generator=gen).to(dtype)  # noqa: E731
+    return [make() for _ in range(LAYERS)], [make() for _ in range(LAYERS)]
+
+
+def token_kv_paged(caches: list[torch.Tensor], layout: str, slot_ids: torch.Tensor
+                   ) -> torch.Tensor:
+    """[layers, 2, T, heads, head] read slot by slot, independent of the connectors."""
+    out = []
+    for cache in caches:
+        per_token = []
+        for s in slot_ids.tolist():
+            b, o = divmod(s, BLOCK)
+            if layout == "kv_split":
+                per_token.append(torch.stack([cache[0, b, o], cache[1, b, o]]))
+            else:
+                row = cache[b, :, o, :]
+                per_token.append(torch.stack([row[:, :HEAD], row[:, HEAD:]]))
+        out.append(torch.stack(per_token, dim=1))
+    return torch.stack(out)
+
+
+def token_kv_dense(keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int
+                   ) -> torch.Tensor:
+    out = []
+    for k, v in zip(keys, values, strict=True):
+        k3, v3 = k.reshape(HEADS, -1, HEAD), v.reshape(HEADS, -1, HEAD)
+        k_t, v_t = k3[:, start:end].transpose(0, 1), v3[:, start:end].transpose(0, 1)
+        out.append(torch.stack([k_t, v_t]))
+    return torch.stack(out)
+
+
+def view(kind: str, dtype: torch.dtype, n: int, seed: int | None, slot_seed: int = 0):
+    """A KV view of `kind` (kv_split, packed, dense) over `n` tokens, and a reader
+    `read(start, end) -> [layers, 2, T, heads, head]` for comparisons."""
+    if kind == "dense":
+        keys, values = dense_cache(n, dtype, seed)
+        return DenseKV(keys, values), lambda s, e: token_kv_dense(keys, values, s, e)
+    caches = paged_cache(kind, dtype, seed)
+    sm = slots(n, slot_seed)
+    return PagedKV(caches, sm), lambda s, e: token_kv_paged(caches, kind, sm[s:e])
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (n,), generator=gen).tolist()
