@@ -78,6 +78,9 @@ class CacheConfig:
     """Client key for `rediss://`."""
     ssl_cert_reqs: str = "required"
     """Server certificate check for `rediss://`: `required`, `optional` or `none`."""
+    save_only_first_rank: bool = False
+    """MLA models only: every tensor-parallel rank holds the same latent KV, so rank 0 alone
+    stores it (under world size 1, worker 0) and every rank loads that one copy."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -14,6 +14,10 @@ Who calls what, and what each call promises:
   ending at the first chunk that is missing or fails a check. Tokens not reported as hits are
   never written. A remote failure is a miss.
 - `lookup(tokens, *, cache_salt=None) -> int`: leading tokens retrievable now.
+- `store_layer(...)` / `retrieve_layer(...)`: the same as `store` / `retrieve`, one layer per
+  step (generators), so that a layer's copy overlaps the engine's compute of the next layer;
+  they read and write exactly the chunks (keys and bytes) of the whole-request calls.
+  The step protocol is in their docstrings.
 - `flush()`: wait (bounded) until queued Redis writes landed or were dropped.
 - `freeze(True)`: no stores (each `store` returns 0) while reads go on; `freeze(False)` ends it.
 - `stats()`: counters and gauges as plain dicts.
@@ -22,6 +26,11 @@ Who calls what, and what each call promises:
 Thread safety: every method may be called from several threads at once; the tiers, the pool
 and the counters are locked internally and a store and a retrieve of the same chunk never see
 half a chunk (a chunk's buffer is filled before it is published to any tier).
+
+MLA with `save_only_first_rank`: every tensor-parallel rank holds the same latent KV, so every
+rank names chunks with world size 1 and worker 0 (the key of a single-rank engine: the latent
+does not depend on the parallelism), only worker 0 stores (the others' `store` and
+`store_layer` store nothing and report 0), and every rank loads that one copy.
 
 The engine starts while Redis is down: redis-py connects lazily, and a failed call only opens
 the health gate's back-off, after which the next call probes Redis again.
@@ -33,6 +42,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Generator
 from types import TracebackType
 from typing import Any
 
@@ -44,7 +54,7 @@ from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase, token
 from lmcache_remote.memory import ChunkLayout, MemoryObj
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.serde import dtype_name
-from lmcache_remote.storage.manager import StorageManager
+from lmcache_remote.storage.manager import StorageManager, StorePlan
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +102,10 @@ class CacheEngine:
         self.metadata = metadata
         self.layout = metadata.layout
         self.metrics = Metrics()
+        shared = metadata.use_mla and config.save_only_first_rank
+        self._stores_here = not shared or metadata.worker_id == 0
         self.token_db = TokenDatabase(
-            metadata.namespace, config.chunk_size, config.save_unfull_chunk
+            _key_namespace(metadata, shared), config.chunk_size, config.save_unfull_chunk
         )
         self.storage = StorageManager(config, self.layout, self.metrics)
         self._frozen = False
@@ -142,8 +154,7 @@ class CacheEngine:
         self.metrics.inc("engine.store_requests")
         if not specs:
             return 0
-        if self._frozen:
-            self.metrics.inc("engine.frozen_skipped_tokens", specs[-1].end - specs[0].start)
+        if self._skips_store(specs):
             return 0
         self._check_view(kv)
         accepted = self._store_specs(specs, kv)
@@ -178,6 +189,64 @@ class CacheEngine:
         self.metrics.inc("engine.retrieve_seconds", time.perf_counter() - start)
         return ret
 
+    def store_layer(
+        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None
+    ) -> Generator[int | None, None, None]:
+        """`store`, one layer per step: a generator the caller advances with `next()`.
+
+        Protocol (`L` = the number of layers):
+
+        - the call itself validates the input (`ValueError` at once, as `store`) and copies
+          nothing;
+        - `next()` number `l` (0 <= l < L) copies layer `l` of every chunk that needs writing
+          out of `kv` into CPU buffers and yields None; the first one also decides which
+          chunks need writing (one Redis round trip, as `store`);
+        - `next()` number `L` hands the complete chunks to the tiers exactly as `store` does
+          (same keys, same bytes) and yields the number of tokens accepted, `store`'s result;
+          the generator is then exhausted.
+
+        Layer `l`'s KV must be final in `kv` when step `l` runs (vLLM's `save_kv_layer` is
+        called right after the layer's attention wrote it). Closing the generator early
+        (`close()`, or dropping it) stores nothing and frees the buffers. When nothing is to
+        be stored (frozen, no full chunk, another rank stores for this one), every step is a
+        no-op and the last yields 0.
+        """
+        start = time.perf_counter()
+        specs = self.token_db.chunks(tokens, mask, cache_salt, for_store=True)
+        self.metrics.inc("engine.store_requests")
+        if self._skips_store(specs):
+            return self._idle_layers(0)
+        self._check_view(kv)
+        return self._store_layers(specs, kv, start)
+
+    def retrieve_layer(
+        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None
+    ) -> Generator[torch.Tensor, None, None]:
+        """`retrieve`, one layer per step: a generator the caller advances with `next()`.
+
+        Protocol (`L` = the number of layers); every step yields the same bool tensor of
+        `len(tokens)` entries, True for the tokens this retrieve writes (`retrieve`'s result):
+
+        - the call itself validates the input (`ValueError` at once, as `retrieve`);
+        - `next()` number 0 fetches the chunks (local tier, then one Redis pipeline): the hit
+          run is fixed from here on and the yielded mask already shows it, but nothing has been
+          written into `kv` yet;
+        - `next()` number `l + 1` (0 <= l < L) writes layer `l` of the hit chunks into `kv`;
+          the last one (`l = L - 1`) also releases the chunk buffers, and the generator is
+          then exhausted.
+
+        Tokens that are not hits are never written. A generator closed before its last step
+        has written only the layers stepped so far: the caller must treat the hit tokens as
+        not loaded. A remote failure is a miss (a shorter mask), as in `retrieve`.
+        """
+        start = time.perf_counter()
+        arr = tokens_to_array(tokens)
+        specs = self.token_db.chunks(arr, mask, cache_salt, for_store=False)
+        self.metrics.inc("engine.retrieve_requests")
+        if specs:
+            self._check_view(kv)
+        return self._retrieve_layers(len(arr), specs, kv, start)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued Redis writes landed or were dropped; False if the bound ran out."""
         return self.storage.flush(timeout)
@@ -210,10 +279,81 @@ class CacheEngine:
                 f" dtype) {got} != {expected}"
             )
 
+    def _skips_store(self, specs: list[ChunkSpec]) -> bool:
+        """True (and counted) when a store of `specs` stores nothing by design."""
+        if not specs:
+            return True
+        if self._frozen:
+            self.metrics.inc("engine.frozen_skipped_tokens", specs[-1].end - specs[0].start)
+            return True
+        if not self._stores_here:
+            self.metrics.inc("engine.other_rank_skipped_tokens", specs[-1].end - specs[0].start)
+            return True
+        return False
+
     def _store_specs(self, specs: list[ChunkSpec], kv: KVView) -> int:
+        batch = self._prepare_store(specs)
+        try:
+            if batch.copies:
+                kv.gather(batch.copy_ranges(specs), batch.copy_tensors())
+            return self._publish(specs, batch)
+        finally:
+            batch.release()
+
+    def _store_layers(
+        self, specs: list[ChunkSpec], kv: KVView, start: float
+    ) -> Generator[int | None, None, None]:
+        batch = self._prepare_store(specs)
+        try:
+            ranges, tensors = batch.copy_ranges(specs), batch.copy_tensors()
+            for layer in range(self.layout.num_layers):
+                if ranges:
+                    kv.gather_layer(layer, ranges, tensors)
+                yield None
+            accepted = self._publish(specs, batch)
+        finally:
+            batch.release()
+        self.metrics.inc("engine.store_tokens", specs[-1].end - specs[0].start)
+        self.metrics.inc("engine.stored_tokens", accepted)
+        self.metrics.inc("engine.store_seconds", time.perf_counter() - start)
+        yield accepted
+
+    def _idle_layers(self, result: int) -> Generator[int | None, None, None]:
+        for _ in range(self.layout.num_layers):
+            yield None
+        yield result
+
+    def _retrieve_layers(
+        self, num_tokens: int, specs: list[ChunkSpec], kv: KVView, start: float
+    ) -> Generator[torch.Tensor, None, None]:
+        ret = torch.zeros(num_tokens, dtype=torch.bool)
+        objs = self.storage.fetch(specs) if specs else []
+        hit = specs[: len(objs)]
+        if hit:
+            ret[hit[0].start : hit[-1].end] = True
+        ranges, srcs = [(s.start, s.end) for s in hit], [o.tensor for o in objs]
+        try:
+            yield ret
+            last = self.layout.num_layers - 1
+            for layer in range(last + 1):
+                if hit:
+                    kv.scatter_layer(layer, ranges, srcs)
+                if layer < last:
+                    yield ret
+        finally:
+            for obj in objs:
+                obj.release()
+        hit_tokens = hit[-1].end - hit[0].start if hit else 0
+        self.metrics.inc("engine.retrieve_tokens", specs[-1].end - specs[0].start if specs else 0)
+        self.metrics.inc("engine.retrieved_tokens", hit_tokens)
+        self.metrics.inc("engine.retrieve_seconds", time.perf_counter() - start)
+        yield ret
+
+    def _prepare_store(self, specs: list[ChunkSpec]) -> _StoreBatch:
+        """Decide what to write where and take a buffer per chunk (a prefix, while memory
+        lasts); the caller fills `copies` and releases the batch."""
         plan = self.storage.plan_store(specs)
-        sources: list[MemoryObj | None] = []
-        copies: list[int] = []
+        batch = _StoreBatch(plan)
         try:
             for i, spec in enumerate(specs):
                 src = plan.local_objs[i]
@@ -223,22 +363,21 @@ class CacheEngine:
                     if src is None:
                         self.metrics.inc("engine.store_out_of_memory_chunks", len(specs) - i)
                         break
-                    copies.append(i)
-                sources.append(src)
-            if copies:
-                kv.gather(
-                    [(specs[i].start, specs[i].end) for i in copies],
-                    [_tensor(sources[i]) for i in copies],
-                )
-            idx = [i for i, o in enumerate(sources) if o is not None]
-            remote_ok = self.storage.write(
-                [specs[i].key for i in idx], [_obj(sources[i]) for i in idx],
-                [plan.need_local[i] for i in idx], [plan.need_remote[i] for i in idx],
-            )
-        finally:
-            for obj in sources + plan.local_objs:
-                if obj is not None:
-                    obj.release()
+                    batch.copies.append(i)
+                batch.sources.append(src)
+        except BaseException:
+            batch.release()
+            raise
+        return batch
+
+    def _publish(self, specs: list[ChunkSpec], batch: _StoreBatch) -> int:
+        """Hand the filled chunks to the tiers; the tokens now held (a prefix)."""
+        plan, sources = batch.plan, batch.sources
+        idx = [i for i, o in enumerate(sources) if o is not None]
+        remote_ok = self.storage.write(
+            [specs[i].key for i in idx], [_obj(sources[i]) for i in idx],
+            [plan.need_local[i] for i in idx], [plan.need_remote[i] for i in idx],
+        )
         held = 0
         for i in range(len(sources)):
             local_held = sources[i] is not None and self.storage.local is not None
@@ -247,6 +386,38 @@ class CacheEngine:
                 break
             held = i + 1
         return specs[held - 1].end - specs[0].start if held else 0
+
+
+class _StoreBatch:
+    """The buffers of one store: per chunk its source (None past the memory cut or when
+    nothing needs writing) and which chunks still need their KV copied in."""
+
+    def __init__(self, plan: StorePlan) -> None:
+        self.plan = plan
+        self.sources: list[MemoryObj | None] = []
+        self.copies: list[int] = []
+
+    def copy_ranges(self, specs: list[ChunkSpec]) -> list[tuple[int, int]]:
+        return [(specs[i].start, specs[i].end) for i in self.copies]
+
+    def copy_tensors(self) -> list[torch.Tensor]:
+        return [_tensor(self.sources[i]) for i in self.copies]
+
+    def release(self) -> None:
+        """Drop every reference the batch holds (idempotent)."""
+        for obj in self.sources + self.plan.local_objs:
+            if obj is not None:
+                obj.release()
+        self.sources = [None] * len(self.sources)
+        self.plan.local_objs = [None] * len(self.plan.local_objs)
+
+
+def _key_namespace(metadata: EngineMetadata, shared: bool) -> KeyNamespace:
+    """The engine's key fields; a rank-shared (MLA, save_only_first_rank) namespace is that of
+    a single-rank engine."""
+    if not shared:
+        return metadata.namespace
+    return KeyNamespace(metadata.model_name, 1, 0, dtype_name(metadata.kv_dtype))
 
 
 def _obj(obj: MemoryObj | None) -> MemoryObj:
