@@ -1,0 +1,261 @@
+"""vLLM v1 KV connector: `LmcrConnector`, loaded by vLLM from `--kv-transfer-config`.
+
+    --kv-transfer-config '{"kv_connector": "LmcrConnector",
+        "kv_connector_module_path": "lmcache_remote.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config_file": "/etc/lmcr.yaml"}}'
+
+This module is the only one that imports vLLM (its base classes, at import time). It turns
+vLLM's objects into plain values and hands them to `vllm_core`, where the logic lives:
+`SchedulerSide` in the scheduler process, `WorkerSide` in each worker. The hooks and who calls
+them (vLLM's `kv_connector/v1/base.py`):
+
+- scheduler: `get_num_new_matched_tokens` -> `update_state_after_alloc` ->
+  `build_connector_meta` every step; `request_finished` once per request.
+- worker, every step: `bind_connector_metadata` -> `start_load_kv` -> per attention layer
+  `wait_for_layer_load` (before it) and `save_kv_layer` (after it) -> `wait_for_save` ->
+  `get_finished` -> `get_block_ids_with_load_errors` -> `clear_connector_metadata`.
+
+Loads and stores complete within the step (stores reach Redis through the engine's
+write-behind queue from CPU copies), so `request_finished` lets vLLM free blocks at once and
+`get_finished` has nothing to report. A failed load is reported through
+`get_block_ids_with_load_errors`, and vLLM recomputes those blocks; no hook raises for a cache
+or Redis failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from lmcache_remote.engine import CacheEngine
+from lmcache_remote.integrations.vllm_core import (
+    ROLES,
+    CachedRequest,
+    KVGeometry,
+    NewRequest,
+    RequestPlan,
+    SchedulerSide,
+    WorkerSide,
+    cache_torch_dtype,
+    load_settings,
+    lookup_over_ranks,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LmcrConnector", "LmcrConnectorMetadata"]
+
+
+class LmcrConnectorMetadata(KVConnectorMetadata):
+    """One step's plans, sent by the scheduler to every worker."""
+
+    def __init__(self, requests: list[RequestPlan]) -> None:
+        self.requests = requests
+
+
+class LmcrConnector(KVConnectorBase_V1):
+    """lmcache-remote as a vLLM v1 KV connector; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self._settings = load_settings(transfer.kv_connector_extra_config)
+        kv_role = transfer.kv_role or "kv_both"
+        if kv_role not in ROLES:
+            raise ValueError(f"kv_role must be one of {ROLES}, got {kv_role!r}")
+        can_save = kv_role != "kv_consumer"
+        can_load = kv_role != "kv_producer"
+        model = self._settings.model_name or str(vllm_config.model_config.model)
+        parallel = vllm_config.parallel_config
+        world_size = int(getattr(parallel, "world_size", 1) or 1)
+        self._lookup_engines: list[CacheEngine] = []
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            geometry = _scheduler_geometry(vllm_config, kv_cache_config)
+            self._lookup_engines = _lookup_engines(self._settings.config, geometry, model,
+                                                   world_size)
+            self._scheduler = SchedulerSide(
+                lookup_over_ranks(self._lookup_engines), self._settings.config.chunk_size,
+                int(vllm_config.cache_config.block_size),
+                save_unfull_chunk=self._settings.config.save_unfull_chunk,
+                can_load=can_load, can_save=can_save,
+            )
+        else:
+            rank = int(getattr(parallel, "rank", 0) or 0)
+            self._worker = WorkerSide(self._settings, model, world_size, rank, can_save=can_save)
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        worker = self._worker_side()
+        worker.register(kv_caches)
+        try:
+            expected = _scheduler_geometry(self._vllm_config, self._kv_cache_config)
+        except Exception:  # the config lacks what the scheduler would read: nothing to compare
+            return
+        if expected != worker.geometry:
+            logger.warning("KV caches are %s but the scheduler assumes %s: its lookups will "
+                           "miss", worker.geometry, expected)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        worker = self._worker_side()
+        if not worker.registered:
+            caches = _caches_from_forward_context(forward_context)
+            if not caches:
+                return
+            worker.register(caches)
+        plans = self._plans()
+        worker.start_load(plans)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker_side().wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self._worker_side().save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker_side().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                   set[str] | None]:
+        return None, None  # every transfer completes within its step
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        for engine in self._lookup_engines:
+            engine.close()
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not _cacheable(request):
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        n = self._scheduler_side().num_new_matched_tokens(
+            request.request_id, prompt, num_computed_tokens, getattr(request, "cache_salt", None)
+        )
+        return n, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._scheduler_side().after_alloc(request.request_id, num_external_tokens,
+                                           getattr(request, "cache_salt", None))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        new = [NewRequest(r.req_id, list(r.prompt_token_ids or []), _group0(r.block_ids) or [],
+                          r.num_computed_tokens)
+               for r in scheduler_output.scheduled_new_reqs if _cacheable(r)]
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        again = [
+            CachedRequest(req_id, _group0(cached.new_block_ids[i]), req_id in resumed,
+                          cached.num_computed_tokens[i])
+            for i, req_id in enumerate(cached.req_ids)
+        ]
+        plans = self._scheduler_side().build(
+            new, again, scheduler_output.num_scheduled_tokens,
+            getattr(scheduler_output, "finished_req_ids", ()) or (),
+        )
+        return LmcrConnectorMetadata(plans)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool,
+                                                                           dict[str, Any] | None]:
+        self._scheduler_side().finish(request.request_id)
+        return False, None
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _plans(self) -> list[RequestPlan]:
+        if not self.has_connector_metadata():
+            return []
+        meta = self._get_connector_metadata()
+        return list(getattr(meta, "requests", []))
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker hook called on the scheduler-side connector")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler hook called on the worker-side connector")
+        return self._scheduler
+
+
+def _cacheable(request: Any) -> bool:
+    """Whether token ids alone name the request's KV. Not so with images or other
+    multimodal inputs (their placeholder tokens are alike), prompt embeddings, or a LoRA
+    adapter (other weights, other KV): such requests are neither looked up nor stored."""
+    return (request.prompt_token_ids is not None
+            and not getattr(request, "mm_features", None)
+            and getattr(request, "prompt_embeds", None) is None
+            and getattr(request, "lora_request", None) is None)
+
+
+def _group0(block_ids: Any) -> list[int] | None:
+    """Block ids of the (single) KV cache group: vLLM passes a tuple of per-group lists."""
+    if block_ids is None:
+        return None
+    if len(block_ids) and isinstance(block_ids[0], (list, tuple)):
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+def _scheduler_geometry(vllm_config: Any, kv_cache_config: Any | None) -> KVGeometry:
+    """The workers' KV geometry as the scheduler can know it: from the KV cache config's first
+    group when vLLM passes one, else from the model config."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if groups:
+        spec = groups[0].kv_cache_spec
+        use_mla = type(spec).__name__ == "MLAAttentionSpec" or bool(getattr(spec, "use_mla",
+                                                                            False))
+        layers = sum(len(g.layer_names) for g in groups)
+        return KVGeometry(layers, int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
+                          use_mla)
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    use_mla = bool(getattr(model, "use_mla", False))
+    dtype = cache_torch_dtype(str(vllm_config.cache_config.cache_dtype), model.dtype)
+    heads = 1 if use_mla else int(model.get_num_kv_heads(parallel))
+    return KVGeometry(int(model.get_num_layers(parallel)), heads, int(model.get_head_size()),
+                      dtype, use_mla)
+
+
+def _lookup_engines(config: Any, geometry: KVGeometry, model: str,
+                    world_size: int) -> list[CacheEngine]:
+    """One Redis-only engine per rank namespace (one in all when MLA ranks share chunks)."""
+    lookup_config = dataclasses.replace(config, local_cpu=False, store_async=False)
+    shared = geometry.use_mla and config.save_only_first_rank
+    ranks = range(1 if shared else world_size)
+    return [CacheEngine(lookup_config, geometry.metadata(model, world_size, rank))
+            for rank in ranks]
+
+
+def _caches_from_forward_context(forward_context: Any) -> Mapping[str, torch.Tensor]:
+    """The per-layer caches from the attention layers, when vLLM never called
+    `register_kv_caches` (older versions)."""
+    layers = getattr(forward_context, "no_compile_layers", None) or {}
+    engine = getattr(forward_context, "virtual_engine", 0)
+    caches = {}
+    for name, layer in layers.items():
+        kv = getattr(layer, "kv_cache", None)
+        if kv is not None:
+            caches[name] = kv[engine] if isinstance(kv, (list, tuple)) else kv
+    return caches
