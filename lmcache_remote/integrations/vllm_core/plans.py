@@ -1,0 +1,39 @@
+"""What the scheduler side tells the workers each step: one `RequestPlan` per request."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Tokens `[start, end)` of a transfer; `skip` (a chunk boundary, <= start) is where the
+    chunk-aligned mask begins: tokens `[skip, start)` are moved again though vLLM has them."""
+
+    skip: int
+    start: int
+    end: int
+
+
+@dataclasses.dataclass
+class RequestPlan:
+    """One request's transfers in one step (picklable: vLLM sends it to every worker)."""
+
+    req_id: str
+    token_ids: list[int]
+    slot_mapping: torch.Tensor
+    cache_salt: str | None = None
+    load: Span | None = None
+    save: Span | None = None
+
+
+def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """slot[i] = block_ids[i // block_size] * block_size + i % block_size, for i < num_tokens."""
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)
+    if num_tokens > len(blocks) * block_size:
+        raise ValueError(f"{num_tokens} tokens need more than the {len(blocks)} blocks given")
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    return (blocks[:, None] * block_size + offsets).reshape(-1)[:num_tokens]

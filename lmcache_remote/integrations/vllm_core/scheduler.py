@@ -1,0 +1,151 @@
+"""The scheduler side: hit counting and per-step plans (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from lmcache_remote.engine import CacheEngine
+from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
+from lmcache_remote.metrics import RateLimitedLogger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRequest:
+    """A request scheduled for the first time (vLLM's NewRequestData, what is used of it)."""
+
+    req_id: str
+    prompt_token_ids: Sequence[int]
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedRequest:
+    """A request scheduled again (one entry of vLLM's CachedRequestData)."""
+
+    req_id: str
+    new_block_ids: Sequence[int] | None
+    resumed: bool
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class _Tracker:
+    prompt: list[int]
+    block_ids: list[int]
+    salt: str | None
+    stored_end: int = 0
+
+
+class SchedulerSide:
+    """Hit counting and per-step plans; see the module docstring. Not thread-safe (vLLM's
+    scheduler calls it from one thread)."""
+
+    def __init__(self, lookup: Callable[[Sequence[int], str | None], int], chunk_size: int,
+                 block_size: int, *, save_unfull_chunk: bool = False, can_load: bool = True,
+                 can_save: bool = True) -> None:
+        self._lookup = lookup
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.save_unfull_chunk = save_unfull_chunk
+        self.can_load = can_load
+        self.can_save = can_save
+        self._hits: dict[str, tuple[int, int]] = {}  # req -> (num_computed, loadable end)
+        self._loads: dict[str, Span] = {}
+        self._salts: dict[str, str | None] = {}
+        self._trackers: dict[str, _Tracker] = {}
+        self._log = RateLimitedLogger(logger)
+
+    def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
+                               cache_salt: str | None = None) -> int:
+        self._salts[req_id] = cache_salt
+        if not self.can_load or len(prompt) < 2:
+            return 0
+        try:
+            hits = self._lookup(prompt, cache_salt)
+        except Exception as exc:  # a lookup must never fail a request
+            self._log.warning("lookup", "lookup failed, counted as a miss: %s", exc)
+            return 0
+        n = len(prompt)
+        end = hits if hits < n else (n - 1) // self.chunk_size * self.chunk_size
+        self._hits[req_id] = (num_computed, end)
+        return max(0, end - num_computed)
+
+    def after_alloc(self, req_id: str, num_external: int, cache_salt: str | None = None) -> None:
+        self._salts[req_id] = cache_salt
+        known = self._hits.get(req_id)
+        if num_external <= 0 or known is None:
+            return
+        num_computed = known[0]
+        skip = num_computed // self.chunk_size * self.chunk_size
+        self._loads[req_id] = Span(skip, num_computed, num_computed + num_external)
+
+    def build(self, new: Iterable[NewRequest], cached: Iterable[CachedRequest],
+              num_scheduled: Mapping[str, int], finished: Iterable[str] = ()) -> list[RequestPlan]:
+        for req_id in finished:
+            self.finish(req_id)
+        plans = []
+        for req in new:
+            tracker = _Tracker(list(req.prompt_token_ids), list(req.block_ids),
+                               self._salts.get(req.req_id))
+            tracker.stored_end = self._hits.get(req.req_id, (0, 0))[1]
+            self._trackers[req.req_id] = tracker
+            end = req.num_computed_tokens + num_scheduled.get(req.req_id, 0)
+            plans.append(self._plan(req.req_id, tracker, end))
+        for creq in cached:
+            known = self._trackers.get(creq.req_id)
+            if known is None:
+                continue
+            if creq.resumed:
+                known.block_ids = list(creq.new_block_ids or [])
+            elif creq.new_block_ids:
+                known.block_ids.extend(creq.new_block_ids)
+            end = creq.num_computed_tokens + num_scheduled.get(creq.req_id, 0)
+            plans.append(self._plan(creq.req_id, known, end))
+        return [p for p in plans if p is not None]
+
+    def finish(self, req_id: str) -> None:
+        self._hits.pop(req_id, None)
+        self._loads.pop(req_id, None)
+        self._salts.pop(req_id, None)
+        self._trackers.pop(req_id, None)
+
+    def _plan(self, req_id: str, tracker: _Tracker, computed_end: int) -> RequestPlan | None:
+        load = self._loads.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        save = self._save_span(tracker, computed_end) if self.can_save else None
+        if load is None and save is None:
+            return None
+        n = max(load.end if load else 0, save.end if save else 0)
+        try:
+            slots = slot_mapping(tracker.block_ids, self.block_size, n)
+        except ValueError as exc:
+            self._log.warning("plan", "request %s skipped: %s", req_id, exc)
+            return None
+        if save is not None:
+            tracker.stored_end = save.end
+        return RequestPlan(req_id, tracker.prompt[:n], slots, tracker.salt, load, save)
+
+    def _save_span(self, tracker: _Tracker, computed_end: int) -> Span | None:
+        prompt_done = min(computed_end, len(tracker.prompt))
+        end = prompt_done // self.chunk_size * self.chunk_size
+        if self.save_unfull_chunk and prompt_done == len(tracker.prompt):
+            end = prompt_done
+        if end <= tracker.stored_end:
+            return None
+        start = tracker.stored_end // self.chunk_size * self.chunk_size
+        return Span(start, tracker.stored_end, end)
+
+
+def lookup_over_ranks(engines: Sequence[CacheEngine]) -> Callable[[Sequence[int], str | None],
+                                                                    int]:
+    """A lookup that counts a token only when every rank's namespace holds it."""
+
+    def lookup(tokens: Sequence[int], salt: str | None) -> int:
+        return min(engine.lookup(tokens, cache_salt=salt) for engine in engines)
+
+    return lookup

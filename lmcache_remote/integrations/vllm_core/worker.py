@@ -1,0 +1,250 @@
+"""The worker side: one rank's loads and stores (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Generator, Mapping, Sequence
+
+import torch
+
+from lmcache_remote.connectors import PagedKV
+from lmcache_remote.engine import CacheEngine
+from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span
+from lmcache_remote.integrations.vllm_core.settings import (
+    ConnectorSettings,
+    KVGeometry,
+    layer_view,
+)
+from lmcache_remote.metrics import RateLimitedLogger
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """One rank's loads and stores; see the module docstring."""
+
+    def __init__(self, settings: ConnectorSettings, model_name: str, world_size: int,
+                 rank: int, *, can_save: bool = True) -> None:
+        self.settings = settings
+        self.model_name = model_name
+        self.world_size = world_size
+        self.rank = rank
+        self.can_save = can_save
+        self.engine: CacheEngine | None = None
+        self.geometry: KVGeometry | None = None
+        self._names: dict[str, int] = {}
+        self._layers: list[torch.Tensor] = []
+        self._layout = ""
+        self._block_size = 0
+        self._plans: list[RequestPlan] = []
+        self._loads: list[_PendingLoad] = []
+        self._stores: list[_PendingStore] = []
+        self._stores_started = False
+        self._errors: set[int] = set()
+        self._log = RateLimitedLogger(logger)
+
+    @property
+    def registered(self) -> bool:
+        return self.engine is not None
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        if not kv_caches:
+            raise ValueError("no KV cache layers to register")
+        views = [layer_view(t) for t in kv_caches.values()]
+        layouts = {layout for _, layout in views}
+        if len(layouts) != 1:
+            raise ValueError(f"KV cache layers mix layouts {sorted(layouts)}")
+        self._names = {name: i for i, name in enumerate(kv_caches)}
+        self._layers = [v for v, _ in views]
+        self._layout = layouts.pop()
+        probe = PagedKV(self._layers, [], layout=self._layout)
+        self._block_size = probe.block_size
+        self.geometry = KVGeometry(probe.num_layers, probe.num_kv_heads, probe.head_size,
+                                   probe.dtype, self._layout == "mla")
+        meta = self.geometry.metadata(self.model_name, self.world_size, self.rank)
+        self.engine = CacheEngine(self.settings.config, meta)
+
+    def start_load(self, plans: Sequence[RequestPlan]) -> None:
+        self._finish_loads()  # nothing may survive from an earlier step
+        self._abort_stores()
+        self._plans = list(plans)
+        self._stores_started = False
+        for plan in self._plans:
+            if plan.load is not None and plan.load.end > plan.load.start:
+                self._guard(plan, "load", self._start_one_load)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        layer = self._names.get(layer_name)
+        if layer is not None:
+            for pending in list(self._loads):
+                self._step_load(pending, layer + 1)
+
+    def save_layer(self, layer_name: str) -> None:
+        layer = self._names.get(layer_name)
+        if layer is None or not self.settings.layerwise or not self.can_save:
+            return
+        self._start_stores()
+        for pending in list(self._stores):
+            self._step_store(pending, layer + 1)
+
+    def wait_for_save(self) -> None:
+        self._finish_loads()
+        if not self.can_save:
+            return
+        if self.settings.layerwise:
+            self._start_stores()
+            for pending in list(self._stores):
+                self._step_store(pending, pending.total_steps)
+            self._stores = []
+            return
+        for plan in self._plans:
+            if plan.save is not None:
+                self._guard(plan, "store", self._store_whole)
+
+    def take_load_errors(self) -> set[int]:
+        self._finish_loads()
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._finish_loads()
+        self._abort_stores()
+        if self.engine is not None:
+            self.engine.close()
+
+    # -- loads --------------------------------------------------------------------------------
+
+    def _kv(self, plan: RequestPlan, end: int) -> PagedKV:
+        return PagedKV(self._layers, plan.slot_mapping[:end], layout=self._layout)
+
+    def _engine(self) -> CacheEngine:
+        if self.engine is None:
+            raise RuntimeError("no KV caches registered")
+        return self.engine
+
+    def _mask(self, skip: int, end: int) -> torch.Tensor:
+        mask = torch.ones(end, dtype=torch.bool)
+        mask[:skip] = False
+        return mask
+
+    def _start_one_load(self, plan: RequestPlan) -> None:
+        span = _span(plan.load)
+        args = (plan.token_ids[: span.end], self._kv(plan, span.end), self._mask(span.skip,
+                                                                                 span.end))
+        if not self.settings.layerwise:
+            hit = self._engine().retrieve(*args, cache_salt=plan.cache_salt)
+            self._report_misses(plan, _hit_end(hit, span.skip))
+            return
+        gen = self._engine().retrieve_layer(*args, cache_salt=plan.cache_salt)
+        hit_end = _hit_end(next(gen), span.skip)  # fetched now; the layers follow
+        self._report_misses(plan, hit_end)  # known already: vLLM may learn it this step
+        if hit_end > span.skip:
+            self._loads.append(_PendingLoad(plan, gen, self._engine().layout.num_layers))
+        else:
+            gen.close()
+
+    def _step_load(self, pending: _PendingLoad, upto: int) -> None:
+        """Advance a load until `upto` layers are written; a failure voids the whole load."""
+        done = False
+        try:
+            while pending.layers_done < min(upto, pending.num_layers):
+                next(pending.gen)
+                pending.layers_done += 1
+            done = pending.layers_done >= pending.num_layers
+        except Exception as exc:
+            self._log.warning("load", "load of %s failed: %s", pending.plan.req_id, exc)
+            self._report_misses(pending.plan, 0)
+            done = True
+        if done:
+            self._loads.remove(pending)
+            pending.gen.close()
+
+    def _finish_loads(self) -> None:
+        for pending in list(self._loads):
+            self._step_load(pending, pending.num_layers)
+
+    def _report_misses(self, plan: RequestPlan, hit_end: int) -> None:
+        """Blocks of the planned tokens that were not loaded: vLLM recomputes from there."""
+        span = _span(plan.load)
+        first = max(hit_end, span.start)
+        if first < span.end:
+            slots = plan.slot_mapping[first: span.end]
+            self._errors.update(int(b) for b in torch.unique(slots // self._block_size))
+            if self.engine is not None:
+                self.engine.metrics.inc("vllm.load_error_tokens", span.end - first)
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def _start_stores(self) -> None:
+        """Open this step's layer-wise stores, once per step."""
+        if self._stores_started:
+            return
+        self._stores_started = True
+        for plan in self._plans:
+            if plan.save is not None:
+                self._guard(plan, "store", self._start_one_store)
+
+    def _start_one_store(self, plan: RequestPlan) -> None:
+        span = _span(plan.save)
+        gen = self._engine().store_layer(plan.token_ids[: span.end], self._kv(plan, span.end),
+                                         self._mask(span.skip, span.end),
+                                         cache_salt=plan.cache_salt)
+        self._stores.append(_PendingStore(plan, gen, self._engine().layout.num_layers + 1))
+
+    def _step_store(self, pending: _PendingStore, upto: int) -> None:
+        try:
+            while pending.steps_done < min(upto, pending.total_steps):
+                next(pending.gen)
+                pending.steps_done += 1
+        except Exception as exc:
+            self._log.warning("store", "store of %s dropped: %s", pending.plan.req_id, exc)
+            pending.steps_done = pending.total_steps
+        if pending.steps_done >= pending.total_steps:
+            self._stores.remove(pending)
+            pending.gen.close()
+
+    def _abort_stores(self) -> None:
+        for pending in self._stores:
+            pending.gen.close()
+        self._stores = []
+
+    def _store_whole(self, plan: RequestPlan) -> None:
+        span = _span(plan.save)
+        self._engine().store(plan.token_ids[: span.end], self._kv(plan, span.end),
+                             self._mask(span.skip, span.end), cache_salt=plan.cache_salt)
+
+    def _guard(self, plan: RequestPlan, what: str, action: Callable[[RequestPlan], None]) -> None:
+        """Run one request's transfer; a failure is logged and, for a load, reported."""
+        try:
+            action(plan)
+        except Exception as exc:
+            self._log.warning(what, "%s of request %s failed: %s", what, plan.req_id, exc)
+            if what == "load":
+                self._report_misses(plan, 0)
+
+
+@dataclasses.dataclass(eq=False)
+class _PendingLoad:
+    plan: RequestPlan
+    gen: Generator[torch.Tensor, None, None]
+    num_layers: int
+    layers_done: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _PendingStore:
+    plan: RequestPlan
+    gen: Generator[int | None, None, None]
+    total_steps: int
+    steps_done: int = 0
+
+
+def _span(span: Span | None) -> Span:
+    assert span is not None
+    return span
+
+
+def _hit_end(mask: torch.Tensor, skip: int) -> int:
+    """End of the loaded run: the mask is True on a prefix of [skip, len)."""
+    return skip + int(mask[skip:].sum())
