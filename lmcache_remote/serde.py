@@ -4,8 +4,9 @@ Contract:
 
 - A chunk (one contiguous CPU tensor) becomes ``Serde.part_count(tensor.nbytes)`` values. Its
   bytes are cut into segments of ``part_size`` raw bytes (the last one shorter), and each
-  segment is encoded on its own by a `Codec` (``raw`` or ``lz4``). ``values[0]`` is the header
-  followed by stored segment 0, in one contiguous buffer; ``values[i]`` is stored segment ``i``.
+  segment is encoded on its own by a `Codec` (``raw``, ``lz4``, ``lz4-planes``; module
+  `lmcache_remote.codecs`, re-exported here). ``values[0]`` is the header followed by
+  stored segment 0, in one contiguous buffer; ``values[i]`` is stored segment ``i``.
   The storage tier puts ``values[0]`` under the chunk key and ``values[i]`` under ``key#i``.
 - The header (`HEADER_FIXED`, then the part table, then a header checksum; byte by byte in
   ``docs/value-format.md``) names the codec, dtype, shape, token count, the chunk hash the value
@@ -31,10 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-import lz4.block
+import numpy as np
 import torch
 import xxhash
 
+from lmcache_remote.codecs import CODECS as CODECS
+from lmcache_remote.codecs import CODECS_BY_ID, Codec, RawCodec
+from lmcache_remote.codecs import get_codec as get_codec
 from lmcache_remote.errors import CorruptEntryError, SerdeError
 
 BytesLike = bytes | bytearray | memoryview
@@ -98,82 +102,6 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype name {name!r}") from None
 
 
-# --- codecs -------------------------------------------------------------------------------
-
-
-class Codec(Protocol):
-    """Turns one raw segment into its stored bytes and back; the plug point for compression.
-
-    ``decode`` must fill ``out`` exactly and raise `CorruptEntryError` when ``data`` does not
-    decode to exactly ``len(out)`` bytes. ``releases_gil`` tells `Serde` that running parts on
-    threads pays off. ``max_encoded_nbytes`` bounds a sane stored length.
-    """
-
-    name: str
-    codec_id: int
-    releases_gil: bool
-
-    def encode(self, raw: memoryview) -> bytes | bytearray | memoryview: ...
-
-    def decode(self, data: memoryview, out: memoryview) -> None: ...
-
-    def max_encoded_nbytes(self, raw_nbytes: int) -> int: ...
-
-
-class RawCodec:
-    """Stores the bytes as they are; ``encode`` returns its argument without copying."""
-
-    name = "raw"
-    codec_id = 0
-    releases_gil = False
-
-    def encode(self, raw: memoryview) -> bytes | bytearray | memoryview:
-        return raw
-
-    def decode(self, data: memoryview, out: memoryview) -> None:
-        if len(data) != len(out):
-            raise CorruptEntryError(f"raw part holds {len(data)} bytes, expected {len(out)}")
-        out[:] = data
-
-    def max_encoded_nbytes(self, raw_nbytes: int) -> int:
-        return raw_nbytes
-
-
-class Lz4Codec:
-    """lz4 block format without a stored size (the header has it); releases the GIL."""
-
-    name = "lz4"
-    codec_id = 1
-    releases_gil = True
-
-    def encode(self, raw: memoryview) -> bytes | bytearray | memoryview:
-        return lz4.block.compress(raw, mode="default", store_size=False)
-
-    def decode(self, data: memoryview, out: memoryview) -> None:
-        try:
-            plain = lz4.block.decompress(data, uncompressed_size=len(out))
-        except lz4.block.LZ4BlockError as exc:
-            raise CorruptEntryError(f"lz4 part does not decompress: {exc}") from exc
-        if len(plain) != len(out):  # uncompressed_size is only an upper bound for lz4
-            raise CorruptEntryError(f"lz4 part decompresses to {len(plain)} bytes, not {len(out)}")
-        out[:] = plain
-
-    def max_encoded_nbytes(self, raw_nbytes: int) -> int:
-        return raw_nbytes + raw_nbytes // 255 + 16  # LZ4_compressBound
-
-
-CODECS: dict[str, Codec] = {"raw": RawCodec(), "lz4": Lz4Codec()}
-_CODECS_BY_ID: dict[int, Codec] = {codec.codec_id: codec for codec in CODECS.values()}
-
-
-def get_codec(name: str) -> Codec:
-    """The codec registered as ``name``; `SerdeError` for an unknown name."""
-    try:
-        return CODECS[name]
-    except (KeyError, TypeError):
-        raise SerdeError(f"unknown codec {name!r}, expected one of {sorted(CODECS)}") from None
-
-
 # --- the header ---------------------------------------------------------------------------
 
 
@@ -202,7 +130,7 @@ class ValueHeader:
 
     @property
     def codec_name(self) -> str:
-        return _CODECS_BY_ID[self.codec_id].name
+        return CODECS_BY_ID[self.codec_id].name
 
     def value_nbytes(self, index: int) -> int:
         """The exact length of ``values[index]`` (value 0 includes the header)."""
@@ -310,7 +238,8 @@ class Serde:
         _check_setting("num_tokens", num_tokens, 1, MAX_NUM_TOKENS)
         size = self.part_size
         segments = [raw[i * size : (i + 1) * size] for i in range(self.part_count(len(raw)))]
-        stored = self._map(self.codec, self._encode_part, segments)
+        itemsize = tensor.element_size()
+        stored = self._map(self.codec, lambda seg: self._encode_part(seg, itemsize), segments)
         header = bytearray(header_nbytes(len(segments)))
         HEADER_FIXED.pack_into(
             header, 0, MAGIC, FORMAT_VERSION, self.codec.codec_id, DTYPE_CODES[tensor.dtype],
@@ -324,8 +253,8 @@ class Serde:
         HEADER_CHECKSUM.pack_into(header, end, _header_checksum(memoryview(header)[:end]))
         return [b"".join((header, stored[0][0])), *(data for data, _ in stored[1:])]
 
-    def _encode_part(self, segment: memoryview) -> tuple[BytesLike, int]:
-        data = self.codec.encode(segment)
+    def _encode_part(self, segment: memoryview, itemsize: int) -> tuple[BytesLike, int]:
+        data = self.codec.encode(segment, itemsize)
         return data, xxhash.xxh3_64_intdigest(data)
 
     # --- decode ---------------------------------------------------------------------------
@@ -350,18 +279,40 @@ class Serde:
         """Checks ``values`` against ``header`` and the caller's expectations and decodes them
         into ``out`` (a contiguous CPU tensor of the header's shape and dtype, or an object with
         such a ``tensor``). On error the content of ``out`` is unspecified."""
+        stored = _check_values(header, values, expected_hash, expected_shape, expected_dtype)
+        self.decode_parts_into(header, stored, out, expected_hash, expected_shape, expected_dtype)
+
+    def decode_parts_into(
+        self,
+        header: ValueHeader,
+        stored: Sequence[object],
+        out: torch.Tensor | TensorHolder,
+        expected_hash: bytes,
+        expected_shape: tuple[int, ...] | None = None,
+        expected_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`decode_into` for callers that received the parts apart: ``stored[i]`` is the stored
+        bytes of part ``i`` (value 0 without its header). Every check still runs. A part that
+        already lies in its place in ``out`` (received there, raw codec) is checksummed and not
+        copied; for any other codec such a part is copied aside before decoding."""
         if not isinstance(out, torch.Tensor):
             out = out.tensor
-        stored = _check_values(header, values, expected_hash, expected_shape, expected_dtype)
+        _check_identity(header, expected_hash, expected_shape, expected_dtype)
+        if len(stored) != header.part_count:
+            raise _corrupt(f"{len(stored)} parts, the header has {header.part_count}")
+        views = [_byte_view(part, f"part {i}") for i, part in enumerate(stored)]
+        for i, view in enumerate(views):
+            if len(view) != header.parts[i][0]:
+                raise _corrupt(f"part {i} is {len(view)} bytes, expected {header.parts[i][0]}")
         if tuple(out.shape) != header.shape or out.dtype != header.dtype:
             raise _corrupt(
                 f"value holds {header.dtype} {header.shape}, destination is "
                 f"{out.dtype} {tuple(out.shape)}"
             )
         dst = _tensor_bytes(out)
-        codec = _CODECS_BY_ID[header.codec_id]
+        codec = CODECS_BY_ID[header.codec_id]
         jobs = []
-        for i, data in enumerate(stored):
+        for i, data in enumerate(views):
             start, end = header.segment(i)
             jobs.append((i, data, dst[start:end], header.parts[i][1]))
 
@@ -369,6 +320,10 @@ class Serde:
             index, data, out_part, checksum = job
             if xxhash.xxh3_64_intdigest(data) != checksum:
                 raise _corrupt(f"part {index} fails its checksum")
+            if _overlaps(data, out_part):
+                if codec.codec_id == RawCodec.codec_id and _address(data) == _address(out_part):
+                    return  # received in place: checked above, nothing to copy
+                data = memoryview(bytes(data))
             codec.decode(data, out_part)
 
         self._map(codec, decode_part, jobs)
@@ -423,7 +378,7 @@ def _parse_header(buf: memoryview) -> ValueHeader:
     (stored_checksum,) = HEADER_CHECKSUM.unpack_from(buf, size - HEADER_CHECKSUM.size)
     if _header_checksum(buf[: size - HEADER_CHECKSUM.size]) != stored_checksum:
         raise _corrupt("header checksum mismatch")
-    codec = _CODECS_BY_ID.get(codec_id)
+    codec = CODECS_BY_ID.get(codec_id)
     if codec is None:
         raise _corrupt(f"unknown codec id {codec_id}")
     dtype = _DTYPES_BY_CODE.get(dtype_code)
@@ -460,14 +415,24 @@ def _part_table(
     return parts
 
 
-def _check_values(
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def _overlaps(a: memoryview, b: memoryview) -> bool:
+    """Whether two byte views share memory (a part received in place in the output)."""
+    if not len(a) or not len(b):
+        return False
+    start_a, start_b = _address(a), _address(b)
+    return start_a < start_b + len(b) and start_b < start_a + len(a)
+
+
+def _check_identity(
     header: ValueHeader,
-    values: Sequence[object],
     expected_hash: bytes,
     expected_shape: tuple[int, ...] | None,
     expected_dtype: torch.dtype | None,
-) -> list[memoryview]:
-    """Checks identity and lengths; returns the stored bytes of every part, headers cut off."""
+) -> None:
     if bytes(expected_hash) != header.chunk_hash:
         raise _corrupt(
             f"value belongs to chunk {header.chunk_hash.hex()}, not {bytes(expected_hash).hex()}"
@@ -476,6 +441,17 @@ def _check_values(
         raise _corrupt(f"shape {header.shape}, expected {tuple(expected_shape)}")
     if expected_dtype is not None and expected_dtype != header.dtype:
         raise _corrupt(f"dtype {header.dtype}, expected {expected_dtype}")
+
+
+def _check_values(
+    header: ValueHeader,
+    values: Sequence[object],
+    expected_hash: bytes,
+    expected_shape: tuple[int, ...] | None,
+    expected_dtype: torch.dtype | None,
+) -> list[memoryview]:
+    """Checks identity and lengths; returns the stored bytes of every part, headers cut off."""
+    _check_identity(header, expected_hash, expected_shape, expected_dtype)
     if len(values) != header.part_count:
         raise _corrupt(f"{len(values)} values, the header has {header.part_count} parts")
     stored = []

@@ -43,6 +43,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "value-format.md"
 HASH = bytes(range(16))
 OTHER_HASH = bytes(range(16, 32))
 ROUND_TRIP_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+ALL_CODECS = ["raw", "lz4", "lz4-planes"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ GOLDEN_CASES = [
     GoldenCase("raw_f16_multipart", "raw", torch.float16, (2, 2, 4, 1, 8), 4, part_size=100),
     GoldenCase("lz4_f32_multipart", "lz4", torch.float32, (2, 2, 8, 2, 4), 8, part_size=300),
     GoldenCase("lz4_fp8_e4m3", "lz4", torch.float8_e4m3fn, (2, 2, 4, 2, 8), 4, modulo=16),
+    GoldenCase("lz4planes_bf16", "lz4-planes", torch.bfloat16, (2, 2, 16, 2, 4), 16),
+    GoldenCase(
+        "lz4planes_f32_multipart", "lz4-planes", torch.float32, (2, 2, 8, 2, 4), 8,
+        part_size=300,
+    ),
 ]
 
 
@@ -144,7 +150,8 @@ def test_dtype_from_name_rejects_unknown(name: str) -> None:
 
 def test_codec_registry() -> None:
     assert get_codec("raw").codec_id == 0 and get_codec("lz4").codec_id == 1
-    assert set(CODECS) == {"raw", "lz4"}
+    assert get_codec("lz4-planes").codec_id == 2
+    assert set(CODECS) == {"raw", "lz4", "lz4-planes"}
     with pytest.raises(SerdeError):
         get_codec("zstd")
     with pytest.raises(SerdeError):
@@ -156,7 +163,7 @@ def test_raw_codec_encode_does_not_copy() -> None:
     assert get_codec("raw").encode(raw) is raw
 
 
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("codec", ALL_CODECS)
 def test_codec_decode_requires_the_exact_length(codec: str) -> None:
     c = get_codec(codec)
     data = memoryview(bytes(c.encode(memoryview(b"x" * 100))))
@@ -205,7 +212,7 @@ def test_docs_hex_dump_is_the_raw_bf16_golden_value() -> None:
 # --- round trips ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("codec", ALL_CODECS)
 @pytest.mark.parametrize("dtype", ROUND_TRIP_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("part_size", [DEFAULT_PART_SIZE, 4096, 1000, 1])
 def test_round_trip_is_bit_exact(codec: str, dtype: torch.dtype, part_size: int) -> None:
@@ -222,7 +229,7 @@ def test_round_trip_is_bit_exact(codec: str, dtype: torch.dtype, part_size: int)
     assert_bit_equal(serde.decode(as_bytes(values), HASH), tensor)
 
 
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("codec", ALL_CODECS)
 def test_threads_give_the_same_bytes(codec: str) -> None:
     tensor = random_tensor(torch.bfloat16, (4, 2, 64, 4, 32), seed=3)
     serial = Serde(codec, part_size=8192)
@@ -237,6 +244,17 @@ def test_compressible_data_shrinks_with_lz4() -> None:
     tensor = torch.zeros(2, 2, 256, 8, 128, dtype=torch.bfloat16)
     values = Serde("lz4").encode(tensor, HASH, 256)
     assert sum(len(v) for v in values) < tensor.nbytes // 50
+
+
+def test_byte_planes_beat_plain_lz4_on_normal_bf16() -> None:
+    """Normal-distributed bf16: lz4 cannot use the repetitive high bytes, byte planes can."""
+    gen = torch.Generator().manual_seed(3)
+    tensor = torch.randn(2, 2, 256, 8, 128, generator=gen).to(torch.bfloat16)
+    plain = sum(len(v) for v in Serde("lz4").encode(tensor, HASH, 256))
+    planes = sum(len(v) for v in Serde("lz4-planes").encode(tensor, HASH, 256))
+    assert planes < plain * 0.95
+    assert_bit_equal(Serde("lz4-planes").decode(
+        Serde("lz4-planes").encode(tensor, HASH, 256), HASH), tensor)
 
 
 def test_part_count() -> None:
@@ -277,7 +295,7 @@ def test_decode_into_accepts_a_tensor_holder() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    codec=st.sampled_from(["raw", "lz4"]),
+    codec=st.sampled_from(ALL_CODECS),
     dtype=st.sampled_from(sorted(DTYPE_CODES, key=str)),
     shape=st.lists(st.integers(1, 5), min_size=1, max_size=8).map(tuple),
     part_size=st.integers(1, 3000),
@@ -339,7 +357,7 @@ def tiny_values(codec: str, part_size: int = DEFAULT_PART_SIZE) -> tuple[Serde, 
     return serde, as_bytes(serde.encode(tensor, HASH, 2))
 
 
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("codec", ALL_CODECS)
 @pytest.mark.parametrize("part_size", [DEFAULT_PART_SIZE, 12])
 def test_every_bit_flip_is_caught_on_a_tiny_value(codec: str, part_size: int) -> None:
     serde, values = tiny_values(codec, part_size)
@@ -352,7 +370,7 @@ def test_every_bit_flip_is_caught_on_a_tiny_value(codec: str, part_size: int) ->
                 assert_corrupt(serde, [*values[:index], bytes(damaged), *values[index + 1 :]])
 
 
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("codec", ALL_CODECS)
 def test_sampled_bit_flips_are_caught_on_a_large_value(codec: str) -> None:
     serde = Serde(codec, part_size=64 * 1024)
     tensor = random_tensor(torch.bfloat16, (4, 2, 64, 8, 64), seed=2)
@@ -367,7 +385,7 @@ def test_sampled_bit_flips_are_caught_on_a_large_value(codec: str) -> None:
         assert_corrupt(serde, [*values[:index], bytes(damaged), *values[index + 1 :]])
 
 
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("codec", ALL_CODECS)
 def test_truncated_and_extended_values_are_caught(codec: str) -> None:
     serde, values = tiny_values(codec, part_size=12)
     for index, value in enumerate(values):
@@ -451,14 +469,14 @@ def test_random_bytes_are_corrupt() -> None:
             Serde().read_header(b"LMCR\x01" + rng.randbytes(size))
 
 
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("codec", ALL_CODECS)
 def test_a_value_under_another_chunks_key_is_not_served(codec: str) -> None:
     serde, values = tiny_values(codec)
     with pytest.raises(CorruptEntryError, match="belongs to chunk"):
         serde.decode(values, OTHER_HASH)
 
 
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("codec", ALL_CODECS)
 def test_missing_and_misplaced_parts_are_caught(codec: str) -> None:
     serde = Serde(codec, part_size=128)
     a = as_bytes(serde.encode(random_tensor(torch.float16, (2, 2, 8, 2, 4), seed=5), HASH, 8))
@@ -493,12 +511,12 @@ def test_arbitrary_bytes_raise_only_corrupt_entry_error(data: bytes) -> None:
     _decode_all(Serde(), [b"LMCR\x01" + data])
 
 
-_BASE = {codec: tiny_values(codec, part_size=12) for codec in ("raw", "lz4")}
+_BASE = {codec: tiny_values(codec, part_size=12) for codec in ALL_CODECS}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    codec=st.sampled_from(["raw", "lz4"]),
+    codec=st.sampled_from(ALL_CODECS),
     index=st.integers(0, 2),
     edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1),
     tail=st.binary(max_size=8),

@@ -11,6 +11,14 @@ round trip.
   against the key (hash, dtype, shape, token count, every part's checksum). The first missing
   or bad chunk ends the run; a bad one is counted and deleted so nobody trips on it again.
 - `put`: SET (one part) or MSET (several) per chunk, with PEXPIRE when `remote_ttl` is set.
+
+Two transports carry the same commands. For a plain single-node `redis.Redis` the bulk
+commands (EXISTS, GET, SET, MSET, PEXPIRE) go through `wire.BulkPipeline` on redis-py's own
+pooled connections: values leave as memoryviews of the chunk buffers (no packer copy) and GET
+replies are received into the chunk's own memory when the value is stored raw, otherwise into
+a reused arena. Any other client (Redis Cluster) uses redis-py's pipeline. Either way a reply
+is used only after the whole batch arrived, and a broken batch is an error, never a partial
+chunk.
 - Every call goes through `RemoteCaller`: bounded by `remote_timeout`, one immediate retry on
   a broken connection, skipped at once while the health gate backs off.
 """
@@ -18,6 +26,7 @@ round trip.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,13 +38,16 @@ from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.serde import Serde
+from lmcache_remote.serde import Serde, ValueHeader, header_nbytes
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.wire import ArenaPool, BulkPipeline, Reply, supports
 
 logger = logging.getLogger(__name__)
-_WINDOW_BYTES = 256 * 1024 * 1024
+#: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
+#: enough that the encoded values and receive arena of one batch stay a modest memory cost.
+_WINDOW_BYTES = 64 * 1024 * 1024
 
 
 class RedisTier(StorageTier):
@@ -56,8 +68,11 @@ class RedisTier(StorageTier):
         self.layout = layout
         self.pool = pool
         self.metrics = metrics
-        self.serde = Serde(config.serde, config.remote_part_size, config.serde_threads)
+        threads = config.serde_threads or (os.cpu_count() or 1)
+        self.serde = Serde(config.serde, config.remote_part_size, threads)
         self.client = client if client is not None else make_client(config)
+        self.wire = BulkPipeline(self.client) if supports(self.client) else None
+        self._arenas = ArenaPool()
         self.gate = HealthGate(config.unhealthy_backoff)
         self.caller = RemoteCaller(config.remote_timeout, self.gate)
         self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
@@ -79,6 +94,8 @@ class RedisTier(StorageTier):
         key_lists = [self._keys(s) for s in specs]
 
         def op() -> list[Any]:
+            if self.wire is not None:
+                return self.wire.execute([("EXISTS", *keys) for keys in key_lists])
             pipe = self.client.pipeline(transaction=False)
             for keys in key_lists:
                 pipe.exists(*keys)
@@ -88,6 +105,8 @@ class RedisTier(StorageTier):
         return [int(c) == len(k) for c, k in zip(counts, key_lists, strict=True)]
 
     def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
+        if self.wire is not None:
+            return self._get_wire(specs)
         out: list[MemoryObj] = []
         for window in self._windows(specs):
             values = self._fetch([self._keys(s) for s in window])
@@ -167,6 +186,8 @@ class RedisTier(StorageTier):
 
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> int:
         def op() -> list[Any]:
+            if self.wire is not None:
+                return self.wire.execute(self._write_commands(batch))
             pipe = self.client.pipeline(transaction=False)
             for keys, values in batch:
                 if len(keys) == 1:
@@ -183,6 +204,134 @@ class RedisTier(StorageTier):
         self.metrics.inc("remote.written_chunks", len(batch))
         self.metrics.inc("remote.written_bytes", nbytes)
         return len(batch)
+
+    def _write_commands(self, batch: Sequence[tuple[list[str], list[Any]]]) -> list[list[Any]]:
+        commands: list[list[Any]] = []
+        for keys, values in batch:
+            if len(keys) == 1:
+                ttl = [] if self._ttl_ms is None else ["PX", self._ttl_ms]
+                commands.append(["SET", keys[0], values[0], *ttl])
+                continue
+            commands.append(["MSET", *(x for kv in zip(keys, values, strict=True) for x in kv)])
+            if self._ttl_ms is not None:
+                commands.extend(["PEXPIRE", key, self._ttl_ms] for key in keys)
+        return commands
+
+    # -- the fast read path -----------------------------------------------------------------
+
+    def _get_wire(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
+        out: list[MemoryObj] = []
+        for window in self._windows(specs):
+            got, complete = self._get_window(window)
+            out.extend(got)
+            if not complete:
+                break
+        return out
+
+    def _get_window(self, window: Sequence[ChunkSpec]) -> tuple[list[MemoryObj], bool]:
+        """The leading run of good chunks of one window, and whether the whole window was."""
+        objs: list[MemoryObj] = []
+        for spec in window:
+            obj = self.pool.allocate(self.layout.shape(spec.num_tokens), self.layout.dtype)
+            if obj is None:
+                self.metrics.inc("remote.pool_full")
+                break
+            objs.append(obj)
+        arena = self._arenas.acquire()
+        good: list[MemoryObj] = []
+        try:
+            replies = self._receive(window[: len(objs)], objs, arena)
+            for spec, obj, values in zip(window, objs, replies, strict=False):
+                if not self._decode_received(spec, obj, values):
+                    break
+                good.append(obj)
+        finally:
+            self._arenas.release(arena)
+            for obj in objs[len(good):]:
+                obj.release()
+        return good, len(good) == len(window)
+
+    def _receive(
+        self, specs: Sequence[ChunkSpec], objs: Sequence[MemoryObj], arena: Any
+    ) -> list[list[Reply]]:
+        """GETs every part of every chunk in one pipeline; raw parts land in the chunk itself."""
+        key_lists = [self._keys(s) for s in specs]
+        places = [(c, p) for c, keys in enumerate(key_lists) for p in range(len(keys))]
+        in_place = self.serde.codec.codec_id == 0
+        part_size = self.serde.part_size
+        arena.reserve(sum(o.nbytes for o in objs) + 4096 * len(places) if not in_place else 0)
+
+        def sink(index: int, length: int) -> memoryview | list[memoryview]:
+            chunk, part = places[index]
+            if in_place:
+                raw = objs[chunk].raw_view()
+                seg = raw[part * part_size:(part + 1) * part_size]
+                head = header_nbytes(len(key_lists[chunk])) if part == 0 else 0
+                if length == head + len(seg):
+                    return [arena.take(head), seg] if head else seg
+            taken: memoryview = arena.take(length)
+            return taken
+
+        def op() -> list[Reply]:
+            assert self.wire is not None
+            flat = [("GET", key) for keys in key_lists for key in keys]
+            return self.wire.execute(flat, sink)
+
+        flat = self.caller.call(op)
+        out, pos = [], 0
+        for keys in key_lists:
+            out.append(flat[pos:pos + len(keys)])
+            pos += len(keys)
+        return out
+
+    def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply]) -> bool:
+        """Checks and decodes one chunk's replies into ``obj``; False for a miss or a bad one."""
+        if values[0] is None:
+            self.metrics.inc("remote.miss_chunks")
+            return False
+        try:
+            head = values[0]
+            header = self.serde.read_header(head[0] if isinstance(head, list) else head)
+            if header.num_tokens != spec.num_tokens:
+                raise CorruptEntryError(
+                    f"value holds {header.num_tokens} tokens, its key names {spec.num_tokens}"
+                )
+            if len(header.parts) != len(values):  # written with another part size
+                refetched = self._fetch([spec.key.part_keys(self.prefix, len(header.parts))])[0]
+                values = list(refetched)
+            if any(v is None for v in values):
+                raise CorruptEntryError("a part of the chunk is missing")
+            stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
+            self.serde.decode_parts_into(
+                header, stored, obj.tensor, spec.key.hash_bytes,
+                expected_shape=self.layout.shape(spec.num_tokens),
+                expected_dtype=self.layout.dtype,
+            )
+        except CorruptEntryError as exc:
+            self._drop_corrupt(spec, exc)
+            return False
+        self.metrics.inc("remote.hit_chunks")
+        nbytes = sum(header.value_nbytes(i) for i in range(len(values)))
+        self.metrics.inc("remote.read_bytes", nbytes)
+        return True
+
+    @staticmethod
+    def _stored_part(header: ValueHeader, index: int, value: Reply) -> memoryview:
+        """The stored bytes of part ``index`` (value 0 without its header), length-checked."""
+        if isinstance(value, list):  # value 0 received as [header, part 0 in place]
+            if len(value[0]) != header.header_nbytes:
+                raise CorruptEntryError(
+                    f"value 0 header is {len(value[0])} bytes, expected {header.header_nbytes}"
+                )
+            return value[1]
+        if value is None or isinstance(value, (int, Exception)):
+            raise CorruptEntryError(f"value {index} is not a bulk string")
+        view = memoryview(value).cast("B")
+        if len(view) != header.value_nbytes(index):
+            raise CorruptEntryError(
+                f"value {index} is {len(view)} bytes, expected {header.value_nbytes(index)}"
+            )
+        return view[header.header_nbytes:] if index == 0 else view
 
     def _decode(self, spec: ChunkSpec, values: list[bytes | None]) -> MemoryObj | None:
         """The checked chunk, or None (missing, bad, or no memory); bad values are deleted."""

@@ -1,0 +1,231 @@
+"""Codecs: how one raw segment of a chunk becomes its stored bytes, and back.
+
+Each codec has a name (what `CacheConfig.serde` names) and a codec id written into every value
+header (docs/value-format.md); ids are fixed forever. `serde.Serde` cuts a chunk into segments
+and runs a codec on each, on several threads when the codec releases the GIL.
+
+- ``raw`` (id 0): the bytes as they are; ``encode`` returns its argument without copying.
+- ``lz4`` (id 1): one lz4 block without a size prefix.
+- ``lz4-planes`` (id 2): the segment's bytes regrouped into byte planes (plane ``j`` holds byte
+  ``j`` of every element, for 2-, 4- and 8-byte dtypes), each plane an lz4 block or, when lz4
+  does not shrink it, stored raw. On KV the high bytes (sign and exponent) compress well and
+  the low bytes (mantissa) not at all, which plain lz4 cannot exploit because they interleave.
+
+Decoding never trusts its input: a codec raises `CorruptEntryError` for anything that does not
+decode to exactly the segment's length. lz4 blocks are decompressed straight into the output
+through the system's liblz4 (``LZ4_decompress_safe``, bounds-checked) when it is installed,
+otherwise through python-lz4 and one copy; the output bytes are the same either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import struct
+from typing import Protocol
+
+import lz4.block
+import numpy as np
+
+from lmcache_remote.errors import CorruptEntryError, SerdeError
+
+BytesLike = bytes | bytearray | memoryview
+
+
+class Codec(Protocol):
+    """Turns one raw segment into its stored bytes and back; the plug point for compression.
+
+    ``encode`` gets the element size of the chunk's dtype (segments are whole elements when the
+    part size is a multiple of it). ``decode`` must fill ``out`` exactly and raise
+    `CorruptEntryError` when ``data`` does not decode to exactly ``len(out)`` bytes.
+    ``releases_gil`` tells `Serde` that running parts on threads pays off.
+    ``max_encoded_nbytes`` bounds a sane stored length.
+    """
+
+    name: str
+    codec_id: int
+    releases_gil: bool
+
+    def encode(self, raw: memoryview, itemsize: int = 1) -> BytesLike: ...
+
+    def decode(self, data: memoryview, out: memoryview) -> None: ...
+
+    def max_encoded_nbytes(self, raw_nbytes: int) -> int: ...
+
+
+# --- lz4 blocks ---------------------------------------------------------------------------
+
+
+def _load_liblz4() -> ctypes.CDLL | None:
+    for name in ("liblz4.so.1", ctypes.util.find_library("lz4")):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)  # CDLL (not PyDLL): calls release the GIL
+            fn = lib.LZ4_decompress_safe
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return lib
+    return None
+
+
+_LIBLZ4 = _load_liblz4()
+_INT_MAX = 2**31 - 1
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def lz4_compress(raw: memoryview) -> bytes:
+    return lz4.block.compress(raw, mode="default", store_size=False)
+
+
+def lz4_decompress_into(data: memoryview, out: memoryview) -> None:
+    """Decompresses one lz4 block into exactly ``out``; `CorruptEntryError` otherwise."""
+    if not len(out) or not len(data) or len(data) > _INT_MAX or len(out) > _INT_MAX:
+        raise CorruptEntryError(f"lz4 block of {len(data)} bytes cannot fill {len(out)} bytes")
+    if _LIBLZ4 is not None and not out.readonly:
+        got = _LIBLZ4.LZ4_decompress_safe(_address(data), _address(out), len(data), len(out))
+        if got != len(out):
+            raise CorruptEntryError(f"lz4 part does not decompress to {len(out)} bytes ({got})")
+        return
+    try:
+        plain = lz4.block.decompress(data, uncompressed_size=len(out))
+    except lz4.block.LZ4BlockError as exc:
+        raise CorruptEntryError(f"lz4 part does not decompress: {exc}") from exc
+    if len(plain) != len(out):  # uncompressed_size is only an upper bound for lz4
+        raise CorruptEntryError(f"lz4 part decompresses to {len(plain)} bytes, not {len(out)}")
+    out[:] = plain
+
+
+def _lz4_bound(raw_nbytes: int) -> int:
+    return raw_nbytes + raw_nbytes // 255 + 16  # LZ4_compressBound
+
+
+# --- codecs -------------------------------------------------------------------------------
+
+
+class RawCodec:
+    """Stores the bytes as they are; ``encode`` returns its argument without copying."""
+
+    name = "raw"
+    codec_id = 0
+    releases_gil = False
+
+    def encode(self, raw: memoryview, itemsize: int = 1) -> BytesLike:
+        return raw
+
+    def decode(self, data: memoryview, out: memoryview) -> None:
+        if len(data) != len(out):
+            raise CorruptEntryError(f"raw part holds {len(data)} bytes, expected {len(out)}")
+        out[:] = data
+
+    def max_encoded_nbytes(self, raw_nbytes: int) -> int:
+        return raw_nbytes
+
+
+class Lz4Codec:
+    """lz4 block format without a stored size (the header has it); releases the GIL."""
+
+    name = "lz4"
+    codec_id = 1
+    releases_gil = True
+
+    def encode(self, raw: memoryview, itemsize: int = 1) -> BytesLike:
+        return lz4_compress(raw)
+
+    def decode(self, data: memoryview, out: memoryview) -> None:
+        lz4_decompress_into(data, out)
+
+    def max_encoded_nbytes(self, raw_nbytes: int) -> int:
+        return _lz4_bound(raw_nbytes)
+
+
+#: Stored part of ``lz4-planes``: plane count (u8), then per plane its mode (u8: 0 raw, 1 lz4)
+#: and stored length (u32), then the planes' bytes in order, plane 0 (lowest byte) first.
+PLANES_HEAD = struct.Struct("<B")
+PLANE_ENTRY = struct.Struct("<BI")
+_PLANE_COUNTS = (1, 2, 4, 8)
+_WORDS = {1: np.uint8, 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+def _merge_plane(words: np.ndarray, plane: np.ndarray, j: int) -> None:
+    """Puts byte plane ``j`` into little-endian ``words`` (plane 0 first overwrites them)."""
+    if j == 0:
+        np.copyto(words, plane, casting="unsafe")
+        return
+    wide = plane.astype(words.dtype)
+    np.left_shift(wide, 8 * j, out=wide)
+    np.bitwise_or(words, wide, out=words)
+
+
+class Lz4PlanesCodec:
+    """Byte planes, each lz4-compressed (or kept raw when lz4 does not shrink it)."""
+
+    name = "lz4-planes"
+    codec_id = 2
+    releases_gil = True
+
+    def encode(self, raw: memoryview, itemsize: int = 1) -> BytesLike:
+        planes = itemsize if itemsize in _PLANE_COUNTS and len(raw) % itemsize == 0 else 1
+        words = np.frombuffer(raw, dtype=_WORDS[planes])
+        table = bytearray(PLANES_HEAD.pack(planes))
+        bodies: list[BytesLike] = []
+        for j in range(planes):
+            plane = (words >> (8 * j)).astype(np.uint8).data if planes > 1 else raw
+            packed = lz4_compress(plane)
+            if len(packed) < len(plane):
+                table += PLANE_ENTRY.pack(1, len(packed))
+                bodies.append(packed)
+            else:
+                table += PLANE_ENTRY.pack(0, len(plane))
+                bodies.append(plane)
+        return b"".join([table, *bodies])
+
+    def decode(self, data: memoryview, out: memoryview) -> None:
+        if len(data) < PLANES_HEAD.size:
+            raise CorruptEntryError("lz4-planes part is empty")
+        (planes,) = PLANES_HEAD.unpack_from(data)
+        if planes not in _PLANE_COUNTS or len(out) % planes:
+            raise CorruptEntryError(f"lz4-planes: {planes} planes for {len(out)} bytes")
+        pos = PLANES_HEAD.size + PLANE_ENTRY.size * planes
+        if len(data) < pos:
+            raise CorruptEntryError("lz4-planes part is shorter than its plane table")
+        plane_len = len(out) // planes
+        words = np.frombuffer(out, dtype=_WORDS[planes])
+        scratch = memoryview(bytearray(plane_len)) if planes > 1 else out
+        for j in range(planes):
+            mode, stored = PLANE_ENTRY.unpack_from(data, PLANES_HEAD.size + PLANE_ENTRY.size * j)
+            body = data[pos:pos + stored]
+            pos += stored
+            if len(body) != stored or mode not in (0, 1):
+                raise CorruptEntryError(f"lz4-planes: plane {j} is cut or has mode {mode}")
+            if mode == 0:
+                if stored != plane_len:
+                    raise CorruptEntryError(f"lz4-planes: raw plane {j} is {stored} bytes")
+                scratch[:] = body
+            else:
+                lz4_decompress_into(body, scratch)
+            if planes > 1:
+                _merge_plane(words, np.frombuffer(scratch, dtype=np.uint8), j)
+        if pos != len(data):
+            raise CorruptEntryError("lz4-planes: bytes left over after the last plane")
+
+    def max_encoded_nbytes(self, raw_nbytes: int) -> int:
+        head = PLANES_HEAD.size + PLANE_ENTRY.size * max(_PLANE_COUNTS)
+        return head + _lz4_bound(raw_nbytes) + 16 * max(_PLANE_COUNTS)
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (RawCodec(), Lz4Codec(), Lz4PlanesCodec())}
+CODECS_BY_ID: dict[int, Codec] = {codec.codec_id: codec for codec in CODECS.values()}
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered as ``name``; `SerdeError` for an unknown name."""
+    try:
+        return CODECS[name]
+    except (KeyError, TypeError):
+        raise SerdeError(f"unknown codec {name!r}, expected one of {sorted(CODECS)}") from None

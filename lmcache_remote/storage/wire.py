@@ -1,0 +1,279 @@
+"""A small RESP pipeline executor for the bulk data path, over redis-py's own connections.
+
+Why: redis-py's pipeline copies every value at least twice on the way out (its hiredis packer
+builds one new buffer per command) and allocates a fresh `bytes` per reply on the way in, which
+caps 32 MiB chunks far below what loopback and Redis allow. This executor sends values as
+memoryviews straight from the chunk buffers and receives bulk replies with ``recv_into``
+straight into buffers the caller chooses (a chunk's own bytes for the raw codec) or into a
+reused arena.
+
+Contract:
+
+- `BulkPipeline(client)` borrows connections from ``client.connection_pool`` (so AUTH, SELECT,
+  TLS, timeouts and reconnects stay redis-py's), one per `execute` call, and gives each back.
+- `execute(commands, sink)` sends every command, then reads exactly one reply per command,
+  in order. A bulk string reply is received into ``sink(index, length)`` when that returns a
+  writable buffer of exactly ``length`` bytes (or a list of buffers that add up to it, and the
+  reply is then that list), else into a fresh buffer; a nil is None, an integer an int, a
+  status a `bytes`.
+- Error replies (``-ERR``, ``-NOPERM``, ``-OOM``) do not stop the reading: every reply is read,
+  so the connection stays in step, then the first error is raised as redis-py would raise it.
+- A socket timeout raises `redis.TimeoutError`, a lost connection or a reply this reader does
+  not understand raises `redis.ConnectionError`; in both cases the connection is disconnected
+  before it goes back to the pool (never reused in an unknown state), and nothing received
+  may be used: the exception propagates and the caller drops what it got.
+- Only plain single-node `redis.Redis` clients qualify (`supports`); a cluster client keeps
+  redis-py's pipeline. The executor is per connection pool, so a cluster could use one per node.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard
+
+import redis
+from redis.exceptions import ResponseError
+
+BytesLike = bytes | bytearray | memoryview
+Reply = bytes | memoryview | list[memoryview] | int | None | ResponseError
+Sink = Callable[[int, int], "memoryview | list[memoryview] | None"]
+
+_CRLF = b"\r\n"
+_COALESCE = 64 * 1024  # values smaller than this are copied into the command buffer
+_RECV_CHUNK = 1024 * 1024
+
+
+def supports(client: object) -> TypeGuard[redis.Redis]:
+    """Whether `BulkPipeline` can drive this client: a single-node `redis.Redis` (TCP, UNIX or
+    TLS socket, any pool, Sentinel's included); a `RedisCluster` is not one."""
+    return isinstance(client, redis.Redis)
+
+
+class Arena:
+    """Reused receive memory: `take` hands out slices of one kept block, `reset` recycles it.
+
+    Fresh multi-MiB allocations page-fault and run several times slower than reused memory,
+    so replies that have no destination of their own land here. A block grows (a new, larger
+    one) when a batch needs more, and stays at that size; slices from the old block stay valid.
+    Not thread-safe: one arena per call in flight (`ArenaPool`).
+    """
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self._block = memoryview(bytearray(nbytes))
+        self._used = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self._block)
+
+    def reserve(self, nbytes: int) -> None:
+        """Make sure the next `nbytes` of `take` come from one block."""
+        if self._used + nbytes > len(self._block):
+            self._block = memoryview(bytearray(max(nbytes, len(self._block))))
+            self._used = 0
+
+    def take(self, nbytes: int) -> memoryview:
+        self.reserve(nbytes)
+        out = self._block[self._used:self._used + nbytes]
+        self._used += nbytes
+        return out
+
+    def reset(self) -> None:
+        self._used = 0
+
+
+class ArenaPool:
+    """A few `Arena`s, one per call in flight; at most ``keep`` are kept between calls."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self._free: list[Arena] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Arena:
+        with self._lock:
+            return self._free.pop() if self._free else Arena()
+
+    def release(self, arena: Arena) -> None:
+        arena.reset()
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(arena)
+
+
+def pack(args: Sequence[BytesLike | str | int]) -> list[BytesLike]:
+    """The RESP encoding of one command, as buffers to send; big values are not copied."""
+    out: list[BytesLike] = []
+    head = bytearray(b"*%d\r\n" % len(args))
+    for arg in args:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, int):
+            arg = b"%d" % arg
+        view = memoryview(arg).cast("B")
+        head += b"$%d\r\n" % len(view)
+        if len(view) < _COALESCE:
+            head += view
+            head += _CRLF
+        else:
+            out.append(head)
+            out.append(view)
+            head = bytearray(_CRLF)
+    out.append(head)
+    return out
+
+
+class _Reader:
+    """Parses RESP replies from a socket with one reused receive buffer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray(_RECV_CHUNK)
+        self.view = memoryview(self.buf)
+        self.start = 0
+        self.end = 0
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            tail = self.end - self.start
+            self.buf[:tail] = self.buf[self.start:self.end]
+            self.start, self.end = 0, tail
+        n = self.sock.recv_into(self.view[self.end:])
+        if n == 0:
+            raise redis.ConnectionError("connection closed by the server")
+        self.end += n
+
+    def line(self) -> bytes:
+        while True:
+            i = self.buf.find(_CRLF, self.start, self.end)
+            if i >= 0:
+                out = bytes(self.buf[self.start:i])
+                self.start = i + 2
+                return out
+            if self.end - self.start > 64 * 1024:
+                raise redis.ConnectionError("protocol error: reply line too long")
+            self._fill()
+
+    def into(self, dests: list[memoryview]) -> None:
+        """Fills each buffer in turn from the stream, buffered bytes first, then the socket."""
+        for dest in dests:
+            pos = 0
+            have = min(self.end - self.start, len(dest))
+            if have:
+                dest[:have] = self.view[self.start:self.start + have]
+                self.start += have
+                pos = have
+            while pos < len(dest):
+                n = self.sock.recv_into(dest[pos:])
+                if n == 0:
+                    raise redis.ConnectionError("connection closed by the server")
+                pos += n
+
+    def skip_crlf(self) -> None:
+        while self.end - self.start < 2:
+            self._fill()
+        if self.buf[self.start:self.start + 2] != _CRLF:
+            raise redis.ConnectionError("protocol error: bulk reply not terminated")
+        self.start += 2
+
+    def reply(self, index: int, sink: Sink | None) -> Reply:
+        line = self.line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            length = int(rest)
+            if length < 0:
+                return None
+            dest = sink(index, length) if sink is not None else None
+            dests = _as_list(dest, length)
+            self.into(dests)
+            self.skip_crlf()
+            return dests[0] if len(dests) == 1 else dests
+        if kind == b":":
+            return int(rest)
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return _error(rest.decode("utf-8", "replace"))
+        if kind == b"_":
+            return None
+        raise redis.ConnectionError(f"protocol error: unexpected reply {line[:20]!r}")
+
+
+def _as_list(dest: memoryview | list[memoryview] | None, length: int) -> list[memoryview]:
+    if dest is None:
+        return [memoryview(bytearray(length))]
+    dests = [dest] if isinstance(dest, memoryview) else list(dest)
+    if sum(len(d) for d in dests) != length:
+        raise ValueError("sink returned buffers that do not add up to the reply length")
+    return dests
+
+
+def _error(text: str) -> ResponseError:
+    if text.startswith("NOPERM"):
+        from redis.exceptions import NoPermissionError
+
+        return NoPermissionError(text)
+    return ResponseError(text)
+
+
+class BulkPipeline:
+    """Runs batches of commands over one pooled connection each; thread-safe like the pool."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.pool = client.connection_pool
+
+    def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None) -> list[Reply]:
+        if not commands:
+            return []
+        conn = self.pool.get_connection()
+        try:
+            replies = self._run(conn, commands, sink)
+        except BaseException as exc:
+            conn.disconnect()
+            self.pool.release(conn)
+            if isinstance(exc, (socket.timeout, TimeoutError)):
+                raise redis.TimeoutError(f"timeout on the bulk path: {exc}") from exc
+            if isinstance(exc, (OSError, ValueError)) and not isinstance(exc, redis.RedisError):
+                raise redis.ConnectionError(f"bulk path: {exc}") from exc
+            raise
+        self.pool.release(conn)
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        return replies
+
+    def _run(self, conn: Any, commands: Sequence[Sequence[Any]], sink: Sink | None) -> list[Reply]:
+        sock = conn._sock
+        if sock is None:
+            conn.connect()
+            sock = conn._sock
+        self._send(sock, commands)
+        reader = _Reader(sock)
+        replies = [reader.reply(i, sink) for i in range(len(commands))]
+        if reader.start != reader.end:
+            raise redis.ConnectionError("protocol error: unexpected bytes after the replies")
+        return replies
+
+    @staticmethod
+    def _send(sock: socket.socket, commands: Sequence[Sequence[Any]]) -> None:
+        pending = bytearray()
+        for args in commands:
+            for piece in pack(args):
+                if isinstance(piece, bytearray) and len(piece) < _COALESCE:
+                    pending += piece
+                    continue
+                if pending:
+                    sock.sendall(pending)
+                    pending = bytearray()
+                sock.sendall(piece)
+            if len(pending) >= _COALESCE:
+                sock.sendall(pending)
+                pending = bytearray()
+        if pending:
+            sock.sendall(pending)
+
+
