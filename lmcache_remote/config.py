@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from lmcache_remote.errors import ConfigError
+from lmcache_remote.urls import parse_remote_url
 
 GIB = 1024**3
 ENV_PREFIX = "LMCR_"
@@ -45,7 +46,8 @@ class CacheConfig:
     chunk_size: int = 256
     """Tokens per chunk; chunks are the unit of hashing, storage and hits."""
     remote_url: str | None = "redis://127.0.0.1:6379/0"
-    """The Redis/Valkey URL (`redis://`, `rediss://`, `unix://`); None = no remote tier."""
+    """The Redis/Valkey URL (`redis://`, `rediss://`, `unix://`, `redis+cluster://`,
+    `redis+sentinel://`; docs/deploy.md); None = no remote tier."""
     key_prefix: str = "lmcr"
     """First segment of every Redis key; the CLI touches keys under it only."""
     local_cpu: bool = True
@@ -120,17 +122,13 @@ def _validate(cfg: CacheConfig) -> None:
         _check_url(cfg.remote_url)
 
 
-_URL_SCHEMES = ("redis", "rediss", "unix")
-
-
 def _check_url(url: str) -> None:
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in _URL_SCHEMES or not rest:
-        raise ConfigError(
-            "remote_url",
-            f"must look like redis://host:port/db ({', '.join(s + '://' for s in _URL_SCHEMES)}),"
-            f" got {mask_url(url)!r}",
-        )
+    """Validate through the one URL parser (lmcache_remote.urls); name the field, mask secrets."""
+    try:
+        parse_remote_url(url)
+    except ConfigError as exc:
+        detail = str(exc).removeprefix(f"{exc.field}: ")
+        raise ConfigError("remote_url", f"{detail}; got {mask_url(url)!r}") from None
 
 
 def mask_url(url: str) -> str:
@@ -144,7 +142,7 @@ def mask_url(url: str) -> str:
         user, colon, _ = userinfo.partition(":")
         authority = f"{user}:***@{host}" if colon else f"***@{host}"
     if qmark:
-        query = re.sub(r"(^|&)(password=)[^&]*", r"\1\2***", query)
+        query = re.sub(r"(^|&)((?:sentinel_)?password=)[^&]*", r"\1\2***", query)
     return f"{scheme}://{authority}{qmark}{query}"
 
 

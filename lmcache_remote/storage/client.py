@@ -1,5 +1,8 @@
 """Redis connections: building clients from a URL, the retry policy, and error translation.
 
+`make_client` builds the client the URL names (lmcache_remote.urls): one server, a Redis/Valkey
+Cluster (`redis+cluster://`) or a Sentinel-managed master (`redis+sentinel://`).
+
 Every redis-py exception stops here: `translate` turns it into a `BackendError` subclass whose
 message carries no password. `RemoteCaller.call` runs one remote operation under the project's
 explicit retry policy:
@@ -21,8 +24,10 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoPermissionError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.errors import (
@@ -33,8 +38,11 @@ from lmcache_remote.errors import (
     ConfigError,
 )
 from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.urls import RemoteURL, parse_remote_url
 
 T = TypeVar("T")
+RemoteClient = redis.Redis | RedisCluster
+"""What `make_client` returns: one server (or a Sentinel-managed master), or a cluster."""
 SSL_QUERY_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
 
@@ -59,11 +67,21 @@ def client_kwargs(config: CacheConfig) -> dict[str, Any]:
     }
 
 
-def make_client(config: CacheConfig, url: str | None = None) -> redis.Redis:
-    """A redis-py client for `url` (default: the config's), TLS options from config or URL."""
+def make_client(config: CacheConfig, url: str | None = None) -> RemoteClient:
+    """A redis-py client for `url` (default: the config's), TLS options from config or URL.
+
+    The URL's form picks the kind (lmcache_remote.urls): one server gives a `redis.Redis`,
+    `redis+cluster://` a `RedisCluster`, `redis+sentinel://` a `redis.Redis` on the master that
+    Sentinel names (it follows fail-overs). All use the same bounded timeouts, retries off.
+    """
     url = url if url is not None else config.remote_url
     if url is None:
         raise ConfigError("remote_url", "no remote URL configured")
+    parsed = parse_remote_url(url)
+    if parsed.kind == "cluster":
+        return _cluster_client(config, parsed)
+    if parsed.kind == "sentinel":
+        return _sentinel_client(config, parsed)
     clean, ssl_params = split_ssl_params(url)
     kwargs = client_kwargs(config)
     if clean.startswith("rediss://"):
@@ -80,6 +98,71 @@ def make_client(config: CacheConfig, url: str | None = None) -> redis.Redis:
         return redis.Redis.from_url(clean, **kwargs)
     except ValueError as exc:
         raise ConfigError("remote_url", f"{mask_url(url)}: {exc}") from None
+
+
+def _tls_kwargs(config: CacheConfig, parsed: RemoteURL) -> dict[str, Any]:
+    """TLS options for a `rediss+...` URL (config, then URL query), or {} without TLS."""
+    if not parsed.tls:
+        return {}
+    kwargs: dict[str, Any] = {
+        "ssl": True,
+        "ssl_ca_certs": config.ssl_ca_certs,
+        "ssl_certfile": config.ssl_certfile,
+        "ssl_keyfile": config.ssl_keyfile,
+        "ssl_cert_reqs": config.ssl_cert_reqs,
+    }
+    kwargs.update(parsed.ssl_params)
+    return kwargs
+
+
+def _cluster_client(config: CacheConfig, parsed: RemoteURL) -> RedisCluster:
+    """A RedisCluster on the seed nodes, as bounded as the single-node client.
+
+    redis-py's cluster-level retries are off (`retry` with 0 retries: a down shard costs one
+    refused connect, not ten back-offs); redirects (MOVED/ASK) are still followed, and a
+    MOVED or a connection error refreshes the slot table. `require_full_coverage=False`: a
+    cluster with a shard down still serves the other shards' slots.
+    """
+    kwargs = client_kwargs(config)
+    for name in ("retry", "health_check_interval", "retry_on_timeout"):  # not per node
+        del kwargs[name]
+    kwargs.update(_tls_kwargs(config, parsed))
+    try:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in parsed.nodes],
+            username=parsed.username,
+            password=parsed.password,
+            retry=Retry(NoBackoff(), 0),
+            require_full_coverage=False,
+            **kwargs,
+        )
+    except (redis.RedisError, OSError) as exc:
+        raise translate(exc, "redis cluster") from exc
+
+
+def _sentinel_client(config: CacheConfig, parsed: RemoteURL) -> redis.Redis:
+    """The master of `parsed.service`, through Sentinel; it re-asks Sentinel after a failure.
+
+    The sentinels get the same bounded timeouts and no retries; a fail-over is followed on
+    the next connection (and a demoted master's READONLY answer drops the connection).
+    """
+    assert parsed.service is not None  # the parser guarantees it for a sentinel URL
+    sentinel_kwargs = client_kwargs(config)
+    del sentinel_kwargs["retry_on_timeout"]  # deprecated on redis.Redis; timeouts never retry
+    sentinel_kwargs.update(
+        username=parsed.param("sentinel_username"),
+        password=parsed.param("sentinel_password"),
+    )
+    sentinel = Sentinel(list(parsed.nodes), sentinel_kwargs=sentinel_kwargs)
+    master_kwargs = client_kwargs(config)
+    master_kwargs.update(_tls_kwargs(config, parsed))
+    return sentinel.master_for(
+        parsed.service,
+        db=parsed.db,
+        username=parsed.username,
+        password=parsed.password,
+        **master_kwargs,
+    )
 
 
 def translate(exc: BaseException, where: str = "redis") -> BackendError:

@@ -32,6 +32,7 @@ from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.storage.cluster_tier import make_remote_tier
 from lmcache_remote.storage.local_cpu import LocalCPUTier
 from lmcache_remote.storage.redis_tier import RedisTier
 
@@ -148,7 +149,9 @@ class StorageManager:
         self.pool = MemoryPool(config.max_local_cpu_bytes)
         self.local = LocalCPUTier(metrics) if config.local_cpu else None
         self.remote = (
-            RedisTier(config, layout, self.pool, metrics) if config.remote_url is not None else None
+            make_remote_tier(config, layout, self.pool, metrics)
+            if config.remote_url is not None
+            else None
         )
         self.queue = (
             WriteBehindQueue(self.remote, config.store_queue_bytes, metrics)

@@ -1,0 +1,326 @@
+"""Hugging Face transformers with the cache in front of prefill.
+
+`CachedLM(model, engine)` wraps a decoder-only causal LM (`AutoModelForCausalLM`, transformers
+5.x, full attention on every layer) and a `CacheEngine` whose metadata matches the model
+(`engine_metadata(model)` builds it). Per request:
+
+1. `load(input_ids)`: `lookup` the prompt, allocate per-layer K/V tensors
+   `[1, kv_heads, hit, head_dim]` on the model's device, `retrieve` the hit prefix into them
+   through `DenseKV` and build a `DynamicCache` holding exactly those positions.
+2. The model runs on the uncached suffix only; the cache's length gives the position ids.
+3. `save(input_ids, cache, skip)`: `store` the prompt's full chunks from the model's cache
+   (chunks the cache already holds cost one round trip to check, then nothing).
+
+`prefill(input_ids)` does the three steps (the middle one is `forward_suffix`) for one
+forward pass and returns the suffix's logits and the cache, ready for decoding;
+`generate(input_ids, **kwargs)` does them around `model.generate` (greedy or sampling, one
+sequence per prompt row) and stores the prompt's KV after it.
+
+Rules that keep the output equal to a full recompute:
+
+- At most `len(prompt) - 1` tokens are loaded, rounded down to a whole number of chunks: the
+  model needs at least one token to run to produce the next-token logits, and a chunk is the
+  unit the cache names and checks.
+- A batch (`input_ids` of `[batch, T]`, no padding) loads the same number of tokens for every
+  row: the shortest hit among the rows, so the `DynamicCache` stays rectangular. Each row has
+  its own prefix and its own chunks. Prompts of different lengths go in separate calls.
+- Only the prompt's KV is stored, never generated tokens'.
+
+Model name (the `model_name` of the cache keys; `engine_metadata` and `model_name_for`): the
+`model_name` argument when given; otherwise the config's `name_or_path` (what
+`from_pretrained` was called with): a local folder gives its folder name (`/models/tiny-llama`
+-> `tiny-llama`), a hub id is used as is. A model built from a config has no name: pass one.
+Engines that share chunks (another transformers process, vLLM) must use the same name, world
+size and KV dtype.
+
+transformers is imported when a function here needs it, not at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcache_remote.config import CacheConfig, load_config
+from lmcache_remote.connectors import DenseKV
+from lmcache_remote.engine import CacheEngine, EngineMetadata
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CachedLM", "Generation", "Prefill", "engine_metadata", "model_name_for"]
+
+
+def model_name_for(config: Any) -> str:
+    """The cache's model name for a transformers config (see the module docstring)."""
+    name = str(getattr(config, "name_or_path", "") or "")
+    if not name:
+        raise ValueError(
+            "the model has no name_or_path (built from a config?): pass model_name=..."
+        )
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return os.path.basename(os.path.normpath(os.path.abspath(path)))
+    return name
+
+
+def engine_metadata(
+    model: Any,
+    *,
+    model_name: str | None = None,
+    dtype: torch.dtype | None = None,
+    world_size: int = 1,
+    worker_id: int = 0,
+) -> EngineMetadata:
+    """`EngineMetadata` for a transformers model (or its config, then `dtype` is required).
+
+    Layers: `num_hidden_layers`; KV heads: `num_key_value_heads` (default
+    `num_attention_heads`); head size: `head_dim` when the config has one, else
+    `hidden_size // num_attention_heads`; KV dtype: the model's dtype.
+    """
+    config = getattr(model, "config", model)
+    if dtype is None:
+        dtype = getattr(model, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError("pass dtype= when giving a config rather than a model")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return EngineMetadata(
+        model_name or model_name_for(config), world_size, worker_id, dtype,
+        int(text.num_hidden_layers), kv_heads, head_dim,
+    )
+
+
+@dataclasses.dataclass
+class Prefill:
+    """What `CachedLM.prefill` computed.
+
+    `logits` covers positions `hit_tokens..T-1` only (`[batch, T - hit_tokens, vocab]`; the
+    last one predicts the next token); `cache` holds all T positions; `stored_tokens[b]` is
+    what `CacheEngine.store` accepted for row b (0 when storing is off).
+    """
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    hit_tokens: int
+    stored_tokens: list[int]
+
+
+@dataclasses.dataclass
+class Generation:
+    """What `CachedLM.generate` returned: `sequences` (prompt + new tokens, as
+    `model.generate` gives them), `output` (its full return value), the prompt tokens loaded
+    from the cache per row and what was stored per row."""
+
+    sequences: torch.Tensor
+    output: Any
+    hit_tokens: int
+    stored_tokens: list[int]
+
+
+class CachedLM:
+    """A transformers causal LM whose prompts' prefill goes through a `CacheEngine`.
+
+    Not thread-safe (the model is not). `store=False` loads hits but never stores;
+    `cache_salt` namespaces the chunks (the same salt must be used to hit them).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        engine: CacheEngine,
+        *,
+        store: bool = True,
+        cache_salt: str | None = None,
+        owns_engine: bool = False,
+    ) -> None:
+        self.model = model
+        self.engine = engine
+        self.store_enabled = store
+        self.cache_salt = cache_salt
+        self._owns_engine = owns_engine
+        want = engine_metadata(model, model_name=engine.metadata.model_name)
+        got = engine.metadata
+        if (got.num_layers, got.num_kv_heads, got.head_size, got.kv_dtype) != (
+            want.num_layers, want.num_kv_heads, want.head_size, want.kv_dtype
+        ):
+            raise ValueError(f"engine metadata {got} does not match the model ({want})")
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters
+            else "past_key_values"
+        )
+        self._new_cache()  # fails early for models this wrapper cannot serve
+
+    @classmethod
+    def open(
+        cls,
+        model: Any,
+        config: CacheConfig | None = None,
+        *,
+        model_name: str | None = None,
+        **kwargs: Any,
+    ) -> CachedLM:
+        """A `CachedLM` with its own engine (`load_config()` when `config` is None), closed
+        with it."""
+        engine = CacheEngine(config or load_config(), engine_metadata(model, model_name=model_name))
+        return cls(model, engine, owns_engine=True, **kwargs)
+
+    def __enter__(self) -> CachedLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the engine if this object opened it."""
+        if self._owns_engine:
+            self.engine.close()
+
+    # -- the three steps ----------------------------------------------------------------------
+
+    def load(self, input_ids: Any) -> tuple[DynamicCache, int]:
+        """A `DynamicCache` holding the KV of the first `hit` tokens of every row, and `hit`
+        (a multiple of `chunk_size`, at most `T - 1`; 0 and an empty cache on a miss)."""
+        ids = self._batch(input_ids)
+        rows = ids.cpu()
+        chunk = self.engine.config.chunk_size
+        limit = (rows.shape[1] - 1) // chunk * chunk
+        hit = limit
+        for row in rows:
+            if hit == 0:
+                break
+            hit = min(hit, self.engine.lookup(row[:hit], cache_salt=self.cache_salt))
+        cache = self._new_cache()
+        if hit == 0:
+            return cache, 0
+        per_row: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        for row in rows:
+            keys, values = self._empty_kv(hit)
+            got = self.engine.retrieve(row[:hit], DenseKV(keys, values), cache_salt=self.cache_salt)
+            hit = min(hit, int(got.sum()))
+            per_row.append((keys, values))
+            if hit == 0:
+                return cache, 0
+        for layer in range(self.engine.metadata.num_layers):
+            k = torch.cat([keys[layer][:, :, :hit] for keys, _ in per_row])
+            v = torch.cat([values[layer][:, :, :hit] for _, values in per_row])
+            cache.update(k, v, layer)
+        return cache, hit
+
+    def save(self, input_ids: Any, cache: DynamicCache, skip: int = 0) -> list[int]:
+        """Store every row's prompt KV from `cache` (positions `0..T-1` of each row), skipping
+        the first `skip` tokens (a multiple of `chunk_size`: what `load` brought). Returns
+        what `CacheEngine.store` accepted per row."""
+        ids = self._batch(input_ids)
+        rows = ids.cpu()
+        length = rows.shape[1]
+        layers: list[Any] = list(cache.layers[: self.engine.metadata.num_layers])
+        mask = None
+        if skip:
+            mask = torch.ones(length, dtype=torch.bool)
+            mask[:skip] = False
+        stored = []
+        for b, row in enumerate(rows):
+            keys = [layer.keys[b : b + 1, :, :length] for layer in layers]
+            values = [layer.values[b : b + 1, :, :length] for layer in layers]
+            stored.append(
+                self.engine.store(row, DenseKV(keys, values), mask, cache_salt=self.cache_salt)
+            )
+        return stored
+
+    # -- whole requests -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Any, **model_kwargs: Any) -> Prefill:
+        """One forward pass over the prompt, the cached prefix loaded instead of computed."""
+        ids = self._batch(input_ids)
+        cache, hit = self.load(ids)
+        out = self.forward_suffix(ids, cache, hit, **model_kwargs)
+        stored = self.save(ids, cache, skip=hit) if self.store_enabled else [0] * len(ids)
+        return Prefill(out.logits, cache, hit, stored)
+
+    @torch.no_grad()
+    def forward_suffix(
+        self, input_ids: Any, cache: DynamicCache, hit: int, **model_kwargs: Any
+    ) -> Any:
+        """The model on positions `hit..T-1` of `input_ids`, attending to `cache` (which
+        holds positions `0..hit-1`, as `load` returned it) and extending it. Returns the
+        model's output (`.logits` of the suffix)."""
+        ids = self._batch(input_ids)
+        return self.model(input_ids=ids[:, hit:], use_cache=True, **{self._cache_kw: cache},
+                          **model_kwargs)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Any, **generate_kwargs: Any) -> Generation:
+        """`model.generate` with the cached prefix loaded; the prompt's KV stored after.
+
+        `generate_kwargs` go to `model.generate` (`max_new_tokens`, `do_sample`, ...); an
+        `attention_mask` must be all ones (no padding)."""
+        ids = self._batch(input_ids)
+        mask = generate_kwargs.pop("attention_mask", None)
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise ValueError("padded batches are not supported: pass prompts without padding")
+        cache, hit = self.load(ids)
+        output = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), **{self._cache_kw: cache},
+            **generate_kwargs,
+        )
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        stored = [0] * len(ids)
+        if self.store_enabled:
+            first: Any = cache.layers[0] if cache.layers else None
+            if first is not None and first.keys.shape[0] == len(ids):
+                stored = self.save(ids, cache, skip=hit)
+            else:  # beams or several sequences per prompt reorder the cache's rows
+                logger.info("not storing: the cache's rows no longer match the prompts")
+        return Generation(sequences, output, hit, stored)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _batch(self, input_ids: Any) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [T] or [batch, T] with T >= 1, got {ids.shape}")
+        return ids.to(self.model.device)
+
+    def _empty_kv(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        meta = self.engine.metadata
+        shape = (1, meta.num_kv_heads, length, meta.head_size)
+        device = self.model.device
+
+        def make() -> torch.Tensor:
+            return torch.empty(shape, dtype=meta.kv_dtype, device=device)
+
+        return [make() for _ in range(meta.num_layers)], [make() for _ in range(meta.num_layers)]
+
+    def _new_cache(self) -> DynamicCache:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache(config=self.model.config)
+        layers = self.engine.metadata.num_layers
+        if len(cache.layers) not in (0, layers) or any(
+            type(layer) is not DynamicLayer for layer in cache.layers
+        ):
+            raise ValueError(
+                "only models with full attention on every layer are supported "
+                "(sliding-window, linear-attention and shared-KV layers are not)"
+            )
+        return cache

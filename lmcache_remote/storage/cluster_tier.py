@@ -1,0 +1,337 @@
+"""ClusterRedisTier: the Redis tier over a Redis/Valkey Cluster, one shard's failure a local miss.
+
+It keeps RedisTier's layout, checks and windows, and replaces the four batch operations
+(`contains`, `_fetch`, `_write`, `delete`) with a per-node scatter/gather:
+
+- Every command of a batch names one chunk's keys, which share a hash slot (the `{hash}` tag),
+  so the batch is grouped by the slot's primary node (from the client's slot table), sent as
+  one pipeline per node, and the pipelines run concurrently on a small thread pool. A batch
+  costs one round trip to the slowest node, not the sum over nodes.
+- Each node has its own `HealthGate` and `RemoteCaller` (the project's retry policy): a node
+  that fails makes its chunks misses (lookups, gets) or dropped writes, counted in
+  `remote.errors` / `remote.dropped_chunks`, while the other nodes keep serving. A node in
+  back-off is skipped at once. Only when every node of a batch fails does the tier raise
+  `BackendError`, as the single-node tier does, and the manager counts a whole-batch failure.
+- Redirects: a `MOVED`/`ASK`/`TRYAGAIN` answer inside a node pipeline is re-sent through the
+  cluster client, which follows it; a `MOVED` or a node failure also schedules a slot-table
+  refresh in the background (at most one per second), so the next batch is grouped by the new
+  topology (resharding, a replica promoted after a fail-over).
+- The cluster client is built lazily: a cluster unreachable at start-up makes misses until it
+  answers, like a single server that is down, instead of failing the engine's start.
+
+`base.gate` stays the tier-wide health flag the manager reports: healthy after a batch with no
+node failure, unhealthy after one with any.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import AskError, MovedError, TryAgainError
+
+from lmcache_remote.config import CacheConfig
+from lmcache_remote.errors import BackendError, BackendUnavailableError
+from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.memory import ChunkLayout, MemoryPool
+from lmcache_remote.metrics import Metrics
+from lmcache_remote.storage.client import RemoteCaller, make_client, translate
+from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.urls import parse_remote_url
+
+logger = logging.getLogger(__name__)
+
+Command = tuple[Any, ...]
+"""A Redis command whose first argument (index 1) is a key: ("GET", key), ("MSET", k, v, ...)."""
+
+_REDIRECTS = (MovedError, AskError, TryAgainError)
+_MAX_THREADS = 16
+_REFRESH_INTERVAL = 1.0
+
+
+class _Failed:
+    """The result of a command whose node failed (or whose redirect could not be followed)."""
+
+    def __repr__(self) -> str:
+        return "FAILED"
+
+
+FAILED: Any = _Failed()
+
+
+class _Unconnected:
+    """Stands in for the cluster client until it is built; only `close` is ever called."""
+
+    def close(self) -> None:
+        pass
+
+
+def make_remote_tier(
+    config: CacheConfig, layout: ChunkLayout, pool: MemoryPool, metrics: Metrics
+) -> RedisTier:
+    """The remote tier the configured URL names: `ClusterRedisTier` for a cluster URL."""
+    assert config.remote_url is not None
+    if parse_remote_url(config.remote_url).kind == "cluster":
+        return ClusterRedisTier(config, layout, pool, metrics)
+    return RedisTier(config, layout, pool, metrics)
+
+
+class ClusterRedisTier(RedisTier):
+    """RedisTier over a `RedisCluster`; see the module doc. Thread-safe."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        layout: ChunkLayout,
+        pool: MemoryPool,
+        metrics: Metrics,
+        client: RedisCluster | None = None,
+    ) -> None:
+        super().__init__(config, layout, pool, metrics, client=cast(Any, _Unconnected()))
+        self._cluster: RedisCluster | None = client
+        if client is not None:
+            self.client = cast(Any, client)
+        self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
+        self._callers: dict[str, RemoteCaller] = {}
+        self._executor = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="lmcr-cluster")
+        self._connect_caller = RemoteCaller(config.remote_timeout, HealthGate(
+            config.unhealthy_backoff), "redis cluster")
+        self._refresh_at = 0.0
+        self._refreshing = False
+
+    # -- the client ---------------------------------------------------------------------------
+
+    def cluster(self) -> RedisCluster:
+        """The cluster client, built on first use (`BackendUnavailableError` while unreachable)."""
+        if self._cluster is not None:
+            return self._cluster
+        with self._connect_lock:
+            if self._cluster is None:
+                self._cluster = self._connect_caller.call(self._connect)
+                self.client = cast(Any, self._cluster)
+        return self._cluster
+
+    def _connect(self) -> RedisCluster:
+        try:
+            client = make_client(self.config)
+        except BackendError as exc:  # make_client translated it; the caller wants redis-py's
+            raise redis.ConnectionError(str(exc)) from exc
+        assert isinstance(client, RedisCluster)  # make_remote_tier checked the URL's kind
+        return client
+
+    def _caller(self, node: ClusterNode) -> RemoteCaller:
+        with self._lock:
+            caller = self._callers.get(node.name)
+            if caller is None:
+                gate = HealthGate(self.config.unhealthy_backoff)
+                caller = RemoteCaller(self.config.remote_timeout, gate, f"redis {node.name}")
+                self._callers[node.name] = caller
+            return caller
+
+    # -- the four batch operations ------------------------------------------------------------
+
+    def contains(self, specs: Sequence[Any]) -> list[bool]:
+        if not specs:
+            return []
+        key_lists = [self._keys(s) for s in specs]
+        results = self._run([("EXISTS", *keys) for keys in key_lists], "lookup")
+        return [
+            r is not FAILED and not isinstance(r, Exception) and int(r) == len(keys)
+            for r, keys in zip(results, key_lists, strict=True)
+        ]
+
+    def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
+        flat = self._run([("GET", key) for keys in key_lists for key in keys], "get")
+        out: list[list[bytes | None]] = []
+        pos = 0
+        for keys in key_lists:
+            values = flat[pos:pos + len(keys)]
+            out.append([v if isinstance(v, bytes) else None for v in values])
+            pos += len(keys)
+        return out
+
+    def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> int:
+        commands: list[Command] = []
+        owner: list[int] = []  # the batch entry each command belongs to
+        for i, (keys, values) in enumerate(batch):
+            chunk_cmds = self._write_chunk(keys, values)
+            commands.extend(chunk_cmds)
+            owner.extend([i] * len(chunk_cmds))
+        results = self._run(commands, "write")
+        ok = [True] * len(batch)
+        for i, result in zip(owner, results, strict=True):
+            if result is FAILED or isinstance(result, Exception):
+                ok[i] = False
+        written = sum(ok)
+        nbytes = sum(
+            len(memoryview(v)) for (_, values), good in zip(batch, ok, strict=True) if good
+            for v in values
+        )
+        self.metrics.inc("remote.written_chunks", written)
+        self.metrics.inc("remote.written_bytes", nbytes)
+        if written < len(batch):
+            self.metrics.inc("remote.dropped_chunks", len(batch) - written)
+        return written
+
+    def _write_chunk(self, keys: list[str], values: list[Any]) -> list[Command]:
+        if len(keys) == 1:
+            ttl = () if self._ttl_ms is None else ("PX", self._ttl_ms)
+            return [("SET", keys[0], values[0], *ttl)]
+        cmds: list[Command] = [
+            ("MSET", *(x for kv in zip(keys, values, strict=True) for x in kv))
+        ]
+        if self._ttl_ms is not None:
+            cmds.extend(("PEXPIRE", key, self._ttl_ms) for key in keys)
+        return cmds
+
+    def delete(self, keys: Sequence[CacheEngineKey]) -> int:
+        if not keys:
+            return 0
+        full = self._nparts(self.config.chunk_size)
+        names = [k for key in keys for k in key.part_keys(self.prefix, full)]
+        heads = {key.redis_key(self.prefix) for key in keys}
+        results = self._run([("UNLINK", name) for name in names], "delete")
+        failed = sum(1 for r in results if r is FAILED or isinstance(r, Exception))
+        if failed:
+            raise BackendUnavailableError(f"redis cluster: {failed} deletes failed (node down)")
+        return sum(int(r) for n, r in zip(names, results, strict=True) if n in heads)
+
+    def ping(self) -> bool:
+        """True if every primary of the cluster answers now."""
+        cluster = self.cluster()
+        return all(
+            bool(self._caller(node).call(cluster.get_redis_connection(node).ping))
+            for node in cluster.get_primaries()
+        )
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        super().close()
+
+    # -- scatter / gather ---------------------------------------------------------------------
+
+    def _run(self, commands: Sequence[Command], what: str) -> list[Any]:
+        """Each command's reply, in order; `FAILED` where its node failed.
+
+        Raises `BackendError` only when the batch had commands and every node it needed failed.
+        """
+        if not commands:
+            return []
+        cluster = self.cluster()
+        groups, unrouted = self._group(cluster, commands)
+        results: list[Any] = [FAILED] * len(commands)
+        futures: list[tuple[list[int], Future[list[Any]]]] = []
+        for node, indices in groups.values():
+            batch = [commands[i] for i in indices]
+            futures.append((indices, self._executor.submit(self._run_node, cluster, node, batch)))
+        errors: list[BackendError] = []
+        for indices, future in futures:
+            try:
+                replies = future.result()
+            except BackendError as exc:
+                errors.append(exc)
+                continue
+            for i, reply in zip(indices, replies, strict=True):
+                results[i] = reply
+        self._account(what, errors, len(futures), unrouted)
+        return results
+
+    def _group(
+        self, cluster: RedisCluster, commands: Sequence[Command]
+    ) -> tuple[dict[str, tuple[ClusterNode, list[int]]], int]:
+        """Command indices per primary node, and how many commands had no node (slot uncovered)."""
+        groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+        unrouted = 0
+        manager = cluster.nodes_manager
+        for i, cmd in enumerate(commands):
+            try:
+                node = manager.get_node_from_slot(cluster.keyslot(cmd[1]))
+            except redis.RedisError:
+                unrouted += 1
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        if unrouted:
+            self._refresh_topology()
+        return groups, unrouted
+
+    def _account(self, what: str, errors: list[BackendError], groups: int, unrouted: int) -> None:
+        if not errors and not unrouted:
+            self.gate.success()
+            return
+        self.gate.failure()
+        if len(errors) == groups:  # nothing of the batch was served
+            if errors:
+                raise errors[0]
+            raise BackendUnavailableError(f"redis cluster: no node serves these slots ({what})")
+        self.metrics.inc("remote.errors", len(errors) + (1 if unrouted else 0))
+        self._log.warning(
+            f"cluster-{what}", "redis cluster %s: %d of %d nodes failed, their chunks missed: %s",
+            what, len(errors), groups, errors[0] if errors else "slots not covered",
+        )
+
+    def _run_node(
+        self, cluster: RedisCluster, node: ClusterNode, commands: list[Command]
+    ) -> list[Any]:
+        """One pipeline on one node under its own gate; redirected commands re-sent."""
+        client = cluster.get_redis_connection(node)
+
+        def op() -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for cmd in commands:
+                pipe.execute_command(*cmd)
+            return cast(list[Any], pipe.execute(raise_on_error=False))
+
+        try:
+            replies = self._caller(node).call(op)
+        except BackendError:
+            self._refresh_topology()
+            raise
+        redirected = [i for i, r in enumerate(replies) if isinstance(r, _REDIRECTS)]
+        if redirected:
+            if any(isinstance(replies[i], MovedError) for i in redirected):
+                self._refresh_topology()
+            for i in redirected:
+                replies[i] = self._follow(cluster, commands[i])
+        return replies
+
+    @staticmethod
+    def _follow(cluster: RedisCluster, cmd: Command) -> Any:
+        """Re-send one redirected command through the cluster client, which follows MOVED/ASK."""
+        try:
+            return cluster.execute_command(*cmd)
+        except (redis.RedisError, OSError) as exc:
+            logger.debug("redirected %s failed: %s", cmd[0], translate(exc, "redis cluster"))
+            return FAILED
+
+    # -- topology -----------------------------------------------------------------------------
+
+    def _refresh_topology(self) -> None:
+        """Re-read the slot table in the background, at most once per `_REFRESH_INTERVAL`."""
+        with self._lock:
+            now = time.monotonic()
+            if self._refreshing or now < self._refresh_at or self._cluster is None:
+                return
+            self._refreshing = True
+            self._refresh_at = now + _REFRESH_INTERVAL
+            cluster = self._cluster
+        threading.Thread(
+            target=self._refresh, args=(cluster.nodes_manager.initialize,),
+            name="lmcr-cluster-refresh", daemon=True,
+        ).start()
+
+    def _refresh(self, initialize: Callable[[], None]) -> None:
+        try:
+            initialize()
+        except Exception as exc:  # a failed refresh leaves the old table; the next one retries
+            logger.debug("cluster topology refresh failed: %s", translate(exc, "redis cluster"))
+        finally:
+            with self._lock:
+                self._refreshing = False
