@@ -6,7 +6,9 @@ It keeps RedisTier's layout, checks and windows, and replaces the four batch ope
 - Every command of a batch names one chunk's keys, which share a hash slot (the `{hash}` tag),
   so the batch is grouped by the slot's primary node (from the client's slot table), sent as
   one pipeline per node, and the pipelines run concurrently on a small thread pool. A batch
-  costs one round trip to the slowest node, not the sum over nodes.
+  costs one round trip to the slowest node, not the sum over nodes. Writes and lookups go
+  through `wire.BulkPipeline` on the node's connection pool (no copy of the values); GETs
+  through redis-py's pipeline.
 - Each node has its own `HealthGate` and `RemoteCaller` (the project's retry policy): a node
   that fails makes its chunks misses (lookups, gets) or dropped writes, counted in
   `remote.errors` / `remote.dropped_chunks`, while the other nodes keep serving. A node in
@@ -44,6 +46,7 @@ from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.wire import BulkPipeline
 from lmcache_remote.urls import parse_remote_url
 
 logger = logging.getLogger(__name__)
@@ -149,7 +152,7 @@ class ClusterRedisTier(RedisTier):
         ]
 
     def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
-        flat = self._run([("GET", key) for keys in key_lists for key in keys], "get")
+        flat = self._run([("GET", key) for keys in key_lists for key in keys], "get", bulk=False)
         out: list[list[bytes | None]] = []
         pos = 0
         for keys in key_lists:
@@ -218,10 +221,11 @@ class ClusterRedisTier(RedisTier):
 
     # -- scatter / gather ---------------------------------------------------------------------
 
-    def _run(self, commands: Sequence[Command], what: str) -> list[Any]:
+    def _run(self, commands: Sequence[Command], what: str, bulk: bool = True) -> list[Any]:
         """Each command's reply, in order; `FAILED` where its node failed.
 
         Raises `BackendError` only when the batch had commands and every node it needed failed.
+        `bulk=False` keeps redis-py's pipeline (replies as `bytes`, what `_decode` expects).
         """
         if not commands:
             return []
@@ -231,7 +235,9 @@ class ClusterRedisTier(RedisTier):
         futures: list[tuple[list[int], Future[list[Any]]]] = []
         for node, indices in groups.values():
             batch = [commands[i] for i in indices]
-            futures.append((indices, self._executor.submit(self._run_node, cluster, node, batch)))
+            futures.append(
+                (indices, self._executor.submit(self._run_node, cluster, node, batch, bulk))
+            )
         errors: list[BackendError] = []
         for indices, future in futures:
             try:
@@ -278,12 +284,22 @@ class ClusterRedisTier(RedisTier):
         )
 
     def _run_node(
-        self, cluster: RedisCluster, node: ClusterNode, commands: list[Command]
+        self, cluster: RedisCluster, node: ClusterNode, commands: list[Command], bulk: bool
     ) -> list[Any]:
-        """One pipeline on one node under its own gate; redirected commands re-sent."""
+        """One pipeline on one node under its own gate; redirected commands re-sent.
+
+        `bulk`: send through `wire.BulkPipeline` (values leave as memoryviews, no packer
+        copy); it raises on the first error answer (a redirect is one), and then the batch is
+        sent again through redis-py's pipeline, which keeps each command's answer.
+        """
         client = cluster.get_redis_connection(node)
 
         def op() -> list[Any]:
+            if bulk:
+                try:
+                    return BulkPipeline(client).execute(commands)
+                except redis.ResponseError:
+                    pass  # MOVED/ASK/OOM...: redo below, keeping each answer (all idempotent)
             pipe = client.pipeline(transaction=False)
             for cmd in commands:
                 pipe.execute_command(*cmd)
