@@ -32,6 +32,8 @@ into the staging tensor, tokens in range order (chunk-major), then one copy per 
 slice into the destination (device -> pinned host, non_blocking). Scatter runs the same steps
 backwards (host -> device copies into staging, then one `index_put_` per layer). A single range
 is never split, so one range may exceed the staging bound. No Python loop runs per token.
+`DenseKV` on the CPU skips the staging tensor: one strided copy per range, layer and K/V plane
+straight between the cache and the chunk (the staging copy cost ~20x on 32 MiB chunks).
 """
 
 from __future__ import annotations
@@ -327,6 +329,25 @@ class DenseKV(KVView[_Spans]):
         self._geometry = _Geometry(
             first.device, first.dtype, len(self._keys), 2, heads, head_size, length
         )
+
+    def _copy_group(
+        self, layers: range, group: list[tuple[Range, torch.Tensor]], to_host: bool
+    ) -> None:
+        """On the CPU the staging buffer is pure overhead (a fresh allocation and a second
+        copy, ~20x slower than this for 32 MiB chunks): copy each layer's K and V slice
+        straight between the cache and the chunk."""
+        if self.device.type != "cpu":
+            super()._copy_group(layers, group, to_host)
+            return
+        for (start, end), host in group:
+            for layer in layers:
+                for plane, cache in ((0, self._keys), (1, self._values)):
+                    chunk_view = host[layer, plane]  # [tokens, heads, head_size]
+                    cache_view = cache[layer][:, start:end].permute(1, 0, 2)
+                    if to_host:
+                        chunk_view.copy_(cache_view)
+                    else:
+                        cache_view.copy_(chunk_view)
 
     def _native_shape(self, num_tokens: int) -> tuple[int, ...]:
         return (2, self.num_kv_heads, num_tokens, self.head_size)
