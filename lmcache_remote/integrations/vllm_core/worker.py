@@ -51,6 +51,9 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         if not kv_caches:
             raise ValueError("no KV cache layers to register")
+        if self.engine is not None:  # registered again (new caches): start over
+            self.close()
+            self.engine = None
         views = [layer_view(t) for t in kv_caches.values()]
         layouts = {layout for _, layout in views}
         if len(layouts) != 1:
