@@ -83,6 +83,11 @@ class CacheConfig:
     save_only_first_rank: bool = False
     """MLA models only: every tensor-parallel rank holds the same latent KV, so rank 0 alone
     stores it (under world size 1, worker 0) and every rank loads that one copy."""
+    stats_publish_interval: float | None = 5.0
+    """Seconds between publishes of the engine's counters into Redis (`lmcache-remote stats`
+    shows the fleet's hit rate from them); None = never publish."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP on this port (all interfaces); None = off."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -108,6 +113,9 @@ def _validate(cfg: CacheConfig) -> None:
     for name in ("chunk_size", "max_local_cpu_size", "remote_ttl", "remote_timeout",
                  "unhealthy_backoff", "store_queue_size", "remote_part_size"):
         _positive(cfg, name)
+    _positive(cfg, "stats_publish_interval")
+    if cfg.metrics_port is not None and not 1 <= cfg.metrics_port <= 65535:
+        raise ConfigError("metrics_port", f"must be a port in 1..65535, got {cfg.metrics_port}")
     if cfg.serde_threads < 0:
         raise ConfigError("serde_threads", f"must be >= 0, got {cfg.serde_threads}")
     if not 4096 <= cfg.remote_part_size <= 512 * 1024 * 1024:

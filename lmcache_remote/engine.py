@@ -53,6 +53,7 @@ from lmcache_remote.connectors import KVView
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase, tokens_to_array
 from lmcache_remote.memory import ChunkLayout, MemoryObj
 from lmcache_remote.metrics import Metrics
+from lmcache_remote.reporting import EngineReporter
 from lmcache_remote.serde import dtype_name
 from lmcache_remote.storage.manager import StorageManager, StorePlan
 
@@ -108,6 +109,9 @@ class CacheEngine:
             _key_namespace(metadata, shared), config.chunk_size, config.save_unfull_chunk
         )
         self.storage = StorageManager(config, self.layout, self.metrics)
+        ns = self.token_db.namespace
+        self.reporter = EngineReporter(config, ns.model_name, ns.world_size, ns.worker_id,
+                                       ns.dtype, self.metrics, self.storage)
         self._frozen = False
         self._closed = False
         self._close_lock = threading.Lock()
@@ -143,7 +147,7 @@ class CacheEngine:
         self.metrics.inc("engine.lookup_requests")
         self.metrics.inc("engine.lookup_tokens", specs[-1].end if specs else 0)
         self.metrics.inc("engine.lookup_hit_tokens", hit_tokens)
-        self.metrics.inc("engine.lookup_seconds", time.perf_counter() - start)
+        self.metrics.observe("engine.lookup_seconds", time.perf_counter() - start)
         return hit_tokens
 
     def store(
@@ -160,7 +164,7 @@ class CacheEngine:
         accepted = self._store_specs(specs, kv)
         self.metrics.inc("engine.store_tokens", specs[-1].end - specs[0].start)
         self.metrics.inc("engine.stored_tokens", accepted)
-        self.metrics.inc("engine.store_seconds", time.perf_counter() - start)
+        self.metrics.observe("engine.store_seconds", time.perf_counter() - start)
         return accepted
 
     def retrieve(
@@ -186,7 +190,7 @@ class CacheEngine:
         hit_tokens = hit[-1].end - hit[0].start if hit else 0
         self.metrics.inc("engine.retrieve_tokens", specs[-1].end - specs[0].start)
         self.metrics.inc("engine.retrieved_tokens", hit_tokens)
-        self.metrics.inc("engine.retrieve_seconds", time.perf_counter() - start)
+        self.metrics.observe("engine.retrieve_seconds", time.perf_counter() - start)
         return ret
 
     def store_layer(
@@ -248,8 +252,17 @@ class CacheEngine:
         return self._retrieve_layers(len(arr), specs, kv, start)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until queued Redis writes landed or were dropped; False if the bound ran out."""
-        return self.storage.flush(timeout)
+        """Wait until queued Redis writes landed or were dropped; False if the bound ran out.
+
+        Also publishes the engine's counters for fleet stats (`reporting.EngineReporter`)."""
+        done = self.storage.flush(timeout)
+        self.reporter.publish()
+        return done
+
+    @property
+    def engine_id(self) -> str:
+        """This engine's id in fleet stats (`{prefix}:engines:{engine_id}`) and metrics."""
+        return self.reporter.engine_id
 
     def stats(self) -> dict[str, Any]:
         snap = self.metrics.snapshot()
@@ -263,6 +276,8 @@ class CacheEngine:
             if self._closed:
                 return
             self._closed = True
+        self.storage.flush()
+        self.reporter.close()
         self.storage.close()
 
     # -- internals --------------------------------------------------------------------------
@@ -315,7 +330,7 @@ class CacheEngine:
             batch.release()
         self.metrics.inc("engine.store_tokens", specs[-1].end - specs[0].start)
         self.metrics.inc("engine.stored_tokens", accepted)
-        self.metrics.inc("engine.store_seconds", time.perf_counter() - start)
+        self.metrics.observe("engine.store_seconds", time.perf_counter() - start)
         yield accepted
 
     def _idle_layers(self, result: int) -> Generator[int | None, None, None]:
@@ -346,7 +361,7 @@ class CacheEngine:
         hit_tokens = hit[-1].end - hit[0].start if hit else 0
         self.metrics.inc("engine.retrieve_tokens", specs[-1].end - specs[0].start if specs else 0)
         self.metrics.inc("engine.retrieved_tokens", hit_tokens)
-        self.metrics.inc("engine.retrieve_seconds", time.perf_counter() - start)
+        self.metrics.observe("engine.retrieve_seconds", time.perf_counter() - start)
         yield ret
 
     def _prepare_store(self, specs: list[ChunkSpec]) -> _StoreBatch:

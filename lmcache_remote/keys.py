@@ -156,3 +156,49 @@ def scan_pattern(
 def prefix_pattern(prefix: str) -> str:
     """A SCAN MATCH pattern for every key the project writes under `prefix`."""
     return f"{_glob_escape(prefix)}:*"
+
+
+ENGINES_SEGMENT = "engines"
+_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def engine_stats_key(prefix: str, engine_id: str) -> str:
+    """The hash where engine `engine_id` publishes its counters: `{prefix}:engines:{id}`.
+
+    It never matches `scan_pattern` (chunk keys are `{prefix}:v1:...`), so tools that count
+    chunks never count it. `engine_id` is restricted to `[A-Za-z0-9_.-]`.
+    """
+    if not _ENGINE_ID_RE.match(engine_id):
+        raise KeyFormatError(f"engine id must match {_ENGINE_ID_RE.pattern}, got {engine_id!r}")
+    return f"{prefix}:{ENGINES_SEGMENT}:{engine_id}"
+
+
+def engine_stats_pattern(prefix: str) -> str:
+    """A SCAN MATCH pattern for every engine's published-counters hash under `prefix`."""
+    return f"{_glob_escape(prefix)}:{ENGINES_SEGMENT}:*"
+
+
+def relative_key(prefix: str, key: str | bytes) -> str:
+    """`key` without its `{prefix}:` head (snapshots store keys relative to the prefix)."""
+    text = key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key
+    head = f"{prefix}:"
+    if not text.startswith(head):
+        raise KeyFormatError(f"key {text!r} is not under prefix {prefix!r}")
+    return text[len(head):]
+
+
+def absolute_key(prefix: str, relative: str) -> str:
+    """The inverse of `relative_key`: the key of `relative` under `prefix`."""
+    return f"{prefix}:{relative}"
+
+
+PROBE_SEGMENT = "probe"
+
+
+def probe_key(prefix: str, token: str) -> str:
+    """A short-lived key under `prefix` that the access check writes and deletes at once:
+    `{prefix}:probe:{token}` (a hash tag, so a cluster pipeline stays on one slot). It never
+    matches `scan_pattern`. `token` is restricted to `[A-Za-z0-9_.-]`."""
+    if not _ENGINE_ID_RE.match(token):
+        raise KeyFormatError(f"probe token must match {_ENGINE_ID_RE.pattern}, got {token!r}")
+    return f"{prefix}:{PROBE_SEGMENT}:{{{token}}}"

@@ -34,7 +34,7 @@ def spec_keys(toks: list[int], prefix: str, model: str = "test/model", dtype: st
 
 
 def chunk_heads(client: redis.Redis, prefix: str) -> set[str]:
-    return {k.decode() for k in client.scan_iter(match=f"{prefix}:*", count=1000)
+    return {k.decode() for k in client.scan_iter(match=f"{prefix}:v1:*", count=1000)
             if b"#" not in k}
 
 

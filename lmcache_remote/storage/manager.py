@@ -204,7 +204,18 @@ class StorageManager:
                 self._remote_failed("get", exc)
             if remote and self.local is not None:
                 self.local.put([s.key for s in missing[: len(remote)]], remote)
-        return _merge_prefix(local, remote)
+        from_local = [o is not None for o in local]
+        out = _merge_prefix(local, remote)
+        self._count_hits(specs[: len(out)], from_local, out)
+        return out
+
+    def _count_hits(self, specs: Sequence[ChunkSpec], from_local: Sequence[bool],
+                    objs: Sequence[MemoryObj]) -> None:
+        """Per tier: `<tier>.hit_tokens` and `<tier>.hit_bytes` of the chunks a fetch served."""
+        for spec, is_local, obj in zip(specs, from_local, objs, strict=False):
+            tier = "local" if is_local else "remote"
+            self.metrics.inc(f"{tier}.hit_tokens", spec.num_tokens)
+            self.metrics.inc(f"{tier}.hit_bytes", obj.nbytes)
 
     # -- writes -------------------------------------------------------------------------------
 

@@ -1,0 +1,101 @@
+"""Prometheus exporter: every live engine's counters and latency histograms, at scrape time.
+
+Names (the full list with meanings is in `docs/metrics.md`):
+
+- a counter `scope.name` of an engine's `Metrics` becomes `lmcr_<scope>_<name>_total`, except
+  the per-tier scopes `local` and `remote`, which become `lmcr_tier_<name>_total` with a
+  `tier` label (`lmcr_tier_hit_tokens_total{tier="remote"}`); latency totals (`*_seconds`)
+  are exported as histograms only;
+- a latency histogram `scope.name_seconds` becomes the histogram `lmcr_<scope>_<name>_seconds`
+  (`lmcr_engine_lookup_seconds_bucket{le="0.005"}`, `_sum`, `_count`);
+- every sample carries the engine's labels `engine_id`, `model` and `worker`.
+
+`collector()` is one `prometheus_client` collector for the whole process (register it in
+your own registry when the inference server already serves `/metrics`); `serve(port)`
+registers it in the default registry and starts `prometheus_client`'s HTTP server, once per
+process and port. Importing this module is what imports `prometheus_client`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from lmcache_remote.metrics import LATENCY_BUCKETS, sources
+
+TIER_SCOPES = ("local", "remote")
+LABELS = ("engine_id", "model", "worker")
+_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def metric_name(counter: str) -> tuple[str, dict[str, str]]:
+    """The Prometheus family name (without `_total`) and extra labels of a counter name."""
+    scope, _, leaf = counter.rpartition(".")
+    leaf = _NAME_RE.sub("_", leaf)
+    if scope in TIER_SCOPES:
+        return f"lmcr_tier_{leaf}", {"tier": scope}
+    return f"lmcr_{_NAME_RE.sub('_', scope or 'engine')}_{leaf}", {}
+
+
+class EngineCollector(Collector):
+    """Reads every registered engine's `Metrics` at each scrape."""
+
+    def collect(self) -> Iterator[Any]:
+        counters: dict[str, CounterMetricFamily] = {}
+        histograms: dict[str, HistogramMetricFamily] = {}
+        for src in sources():
+            labels = [src.labels.get(k, "") for k in LABELS]
+            for name, value in sorted(src.metrics.counters().items()):
+                if name.endswith("_seconds"):
+                    continue
+                family, extra = metric_name(name)
+                fam = counters.get(family)
+                if fam is None:
+                    fam = counters[family] = CounterMetricFamily(
+                        family, f"lmcache-remote counter {name}", labels=[*LABELS, *extra]
+                    )
+                fam.add_metric([*labels, *extra.values()], value)
+            for name, hist in sorted(src.metrics.histograms().items()):
+                family, extra = metric_name(name)
+                fam_h = histograms.get(family)
+                if fam_h is None:
+                    fam_h = histograms[family] = HistogramMetricFamily(
+                        family, f"lmcache-remote latency {name}", labels=[*LABELS, *extra]
+                    )
+                cumulative, buckets = 0, []
+                for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], hist.counts,
+                                        strict=True):
+                    cumulative += count
+                    buckets.append((bound, cumulative))
+                fam_h.add_metric([*labels, *extra.values()], buckets, hist.total)
+        yield from counters.values()
+        yield from histograms.values()
+
+
+_COLLECTOR = EngineCollector()
+_REGISTERED = False
+_SERVED: dict[int, Any] = defaultdict(lambda: None)
+_LOCK = threading.Lock()
+
+
+def collector() -> EngineCollector:
+    """The process-wide collector (not registered anywhere until `serve` or you do it)."""
+    return _COLLECTOR
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """Register the collector in the default registry and serve it on `port` (idempotent)."""
+    global _REGISTERED
+    with _LOCK:
+        if not _REGISTERED:
+            REGISTRY.register(_COLLECTOR)
+            _REGISTERED = True
+        if _SERVED[port] is None:
+            _SERVED[port] = start_http_server(port, addr)

@@ -1,0 +1,100 @@
+"""What an engine reports beyond `stats()`: fleet counters in Redis, and Prometheus metrics.
+
+`EngineReporter` is created by `CacheEngine` and owns, for that engine:
+
+- its `engine_id` (`<host>-<pid>-<random>`, safe for a Redis key);
+- a `StatsPublisher` (when there is a remote tier and `stats_publish_interval` is set) that
+  writes `published_fields()` into `{prefix}:engines:{engine_id}` every interval, and at
+  once on `publish()` (the engine's `flush()`) and `close()`;
+- its entry in the process-wide metrics registry (`metrics.register_source`), which the
+  Prometheus collector reads at scrape time; with `metrics_port` set, the HTTP exporter is
+  started once per process (`lmcache_remote.prometheus.serve`).
+
+None of this can fail or slow inference: publishing runs on its own thread, failures are
+counted (`publisher.*`), and a port that cannot be bound is logged, not raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+
+from lmcache_remote.config import CacheConfig
+from lmcache_remote.keys import engine_stats_key
+from lmcache_remote.metrics import Metrics, MetricsSource, register_source, unregister_source
+from lmcache_remote.storage.manager import StorageManager
+from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
+
+logger = logging.getLogger(__name__)
+
+#: Published field -> the engine counter it copies (`scope.name` in `Metrics`).
+PUBLISHED_COUNTERS = {
+    "lookup_requests": "engine.lookup_requests",
+    "lookup_tokens": "engine.lookup_tokens",
+    "hit_tokens": "engine.lookup_hit_tokens",
+    "retrieve_tokens": "engine.retrieve_tokens",
+    "retrieved_tokens": "engine.retrieved_tokens",
+    "store_tokens": "engine.store_tokens",
+    "stored_tokens": "engine.stored_tokens",
+    "remote_errors": "remote.errors",
+    "remote_hit_chunks": "remote.hit_chunks",
+    "remote_read_bytes": "remote.read_bytes",
+    "remote_written_bytes": "remote.written_bytes",
+    "local_evicted_chunks": "local.evicted_chunks",
+}
+
+
+def new_engine_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_.\-]", "_", socket.gethostname())[:64] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class EngineReporter:
+    def __init__(self, config: CacheConfig, model_name: str, world_size: int, worker_id: int,
+                 dtype: str, metrics: Metrics, storage: StorageManager) -> None:
+        self.engine_id = new_engine_id()
+        self.metrics = metrics
+        self._identity: dict[str, FieldValue] = {
+            "engine_id": self.engine_id, "model_name": model_name, "world_size": world_size,
+            "worker_id": worker_id, "dtype": dtype, "host": socket.gethostname(),
+            "pid": os.getpid(), "started_at": round(time.time(), 3),
+        }
+        self._source = MetricsSource(
+            {"engine_id": self.engine_id, "model": model_name, "worker": str(worker_id)}, metrics
+        )
+        register_source(self._source)
+        self._publisher = None
+        if storage.remote is not None and config.stats_publish_interval is not None:
+            key = engine_stats_key(config.key_prefix, self.engine_id)
+            self._publisher = StatsPublisher(
+                storage.remote, key, config.stats_publish_interval, self.published_fields, metrics
+            )
+        if config.metrics_port is not None:
+            from lmcache_remote import prometheus
+
+            try:
+                prometheus.serve(config.metrics_port)
+            except OSError as exc:
+                logger.warning("cannot serve metrics on port %d: %s", config.metrics_port, exc)
+
+    def published_fields(self) -> dict[str, FieldValue]:
+        counters = self.metrics.counters()
+        fields = dict(self._identity)
+        for field, name in PUBLISHED_COUNTERS.items():
+            value = counters.get(name, 0)
+            fields[field] = int(value) if float(value).is_integer() else value
+        fields["updated_at"] = round(time.time(), 3)
+        return fields
+
+    def publish(self) -> bool:
+        """Publish the counters now (False when off, skipped or failed)."""
+        return self._publisher.publish_now() if self._publisher is not None else False
+
+    def close(self) -> None:
+        unregister_source(self._source)
+        if self._publisher is not None:
+            self._publisher.close()

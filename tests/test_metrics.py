@@ -1,0 +1,115 @@
+"""Metrics: latency histograms, the Prometheus exporter, engines publishing fleet counters."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import redis
+import torch
+from kvutil import engine, tokens, view
+from prometheus_client import CollectorRegistry, generate_latest
+
+from lmcache_remote import prometheus
+from lmcache_remote.keys import engine_stats_key
+from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics
+from tests.servers import free_port
+
+
+def _workload(e, n: int = 600) -> None:  # type: ignore[no-untyped-def]
+    kv, _ = view("kv_split", torch.bfloat16, n, seed=1)
+    e.store(tokens(n), kv)
+    e.lookup(tokens(n))
+    e.retrieve(tokens(n), kv)
+
+
+def test_observe_keeps_the_total_and_fills_buckets() -> None:
+    m = Metrics()
+    m.observe("engine.lookup_seconds", 0.003)
+    m.observe("engine.lookup_seconds", 0.003)
+    m.observe("engine.lookup_seconds", 99.0)
+    assert abs(m.snapshot()["engine"]["lookup_seconds"] - 99.006) < 1e-9
+    hist = m.histograms()["engine.lookup_seconds"]
+    assert hist.count == 3 and hist.counts[LATENCY_BUCKETS.index(0.005)] == 2
+    assert hist.counts[-1] == 1  # +Inf
+
+
+def test_engine_counts_per_tier(redis_url: str, key_prefix: str) -> None:
+    with engine(redis_url, key_prefix, store_async=False) as a:
+        _workload(a)
+        local = a.stats()["local"]
+    assert local["hit_tokens"] == 512 and local["hit_bytes"] == 2 * 32768
+    with engine(redis_url, key_prefix, local_cpu=False) as b:
+        _workload(b)
+        stats = b.stats()
+    assert stats["remote"]["hit_tokens"] == 512 and stats["remote"]["hit_chunks"] == 2
+    assert stats["remote"]["hit_bytes"] == 2 * 32768
+
+
+def test_prometheus_collector_exports_counters_and_histograms(redis_url: str,
+                                                              key_prefix: str) -> None:
+    registry = CollectorRegistry()
+    registry.register(prometheus.collector())
+    with engine(redis_url, key_prefix, store_async=False) as e:
+        _workload(e)
+        text = generate_latest(registry).decode()
+        labels = f'engine_id="{e.engine_id}",model="test/model",worker="0"'
+    assert f"lmcr_engine_lookup_tokens_total{{{labels}}} 600.0" in text
+    assert f"lmcr_engine_lookup_hit_tokens_total{{{labels}}} 512.0" in text
+    assert f"lmcr_engine_retrieved_tokens_total{{{labels}}} 512.0" in text
+    assert 'tier="local"' in text and "lmcr_tier_hit_tokens_total" in text
+    assert "lmcr_tier_written_bytes_total" in text and 'tier="remote"' in text
+    assert f'lmcr_engine_lookup_seconds_count{{{labels}}} 1.0' in text
+    assert 'lmcr_engine_retrieve_seconds_bucket{' in text and 'le="+Inf"' in text
+    assert "lookup_seconds_total" not in text  # latency totals are histograms only
+    after = generate_latest(registry).decode()
+    assert e.engine_id not in after  # a closed engine leaves the exporter
+
+
+def test_metrics_port_serves_http(redis_url: str, key_prefix: str) -> None:
+    port = free_port()
+    with engine(redis_url, key_prefix, store_async=False, metrics_port=port) as e:
+        _workload(e)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert f'lmcr_engine_store_tokens_total{{engine_id="{e.engine_id}"'.encode() in body
+
+
+def test_engine_publishes_its_counters_on_flush_and_close(redis_url: str,
+                                                          redis_client: redis.Redis,
+                                                          key_prefix: str) -> None:
+    with engine(redis_url, key_prefix, store_async=False) as e:
+        _workload(e)
+        e.flush()
+        key = engine_stats_key(key_prefix, e.engine_id)
+        published = redis_client.hgetall(key)
+        assert int(published[b"lookup_tokens"]) == 600
+        assert int(published[b"hit_tokens"]) == 512
+        assert published[b"model_name"] == b"test/model"
+        assert 0 < redis_client.ttl(key) <= 30
+        e.lookup(tokens(256, 3))
+    assert int(redis_client.hget(key, "lookup_tokens")) == 856  # the final publish on close
+
+
+def test_engine_publishes_periodically(redis_url: str, redis_client: redis.Redis,
+                                       key_prefix: str) -> None:
+    with engine(redis_url, key_prefix, stats_publish_interval=0.2) as e:
+        e.lookup(tokens(300))
+        key = engine_stats_key(key_prefix, e.engine_id)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and redis_client.hget(key, "lookup_tokens") != b"300":
+            time.sleep(0.05)
+        assert redis_client.hget(key, "lookup_tokens") == b"300"
+        assert e.stats()["publisher"]["published"] >= 1
+
+
+def test_publishing_is_skipped_while_redis_is_down(private_redis, key_prefix: str) -> None:
+    with engine(private_redis.url, key_prefix, store_async=False, unhealthy_backoff=30) as e:
+        e.lookup(tokens(300))
+        e.flush()
+        private_redis.kill()
+        assert e.lookup(tokens(300)) == 0   # a miss, and the gate opens
+        start = time.monotonic()
+        e.flush()
+        assert time.monotonic() - start < 5  # no wait on a dead server
+        stats = e.stats()["publisher"]
+        assert stats["published"] == 1 and stats["skipped"] >= 1
