@@ -1,0 +1,36 @@
+"""`lmcache-remote ls`: the entries under the prefix, filtered, at most --limit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from lmcache_remote_cli.context import CliContext, common_options
+from lmcache_remote_cli.filters import build_filter, filter_options
+from lmcache_remote_cli.output import seconds, size, table
+
+from lmcache_remote.admin import describe
+
+
+@click.command(name="ls")
+@common_options
+@filter_options
+@click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
+              help="At most this many entries (0 = all).")
+def ls(cx: CliContext, filter_args: dict[str, Any], limit: int) -> None:
+    """List entries: model, worker, dtype, hash, size, idle time, TTL."""
+    flt = build_filter(filter_args, cx.config.chunk_size)
+    rows = [describe(e) for e in cx.admin.entries(flt, limit or None)]
+    if cx.json:
+        cx.emit({"count": len(rows), "limit": limit, "entries": rows})
+        return
+    t = table("model", "world", "worker", "dtype", "hash", "tokens", "parts", "size", "idle",
+              "ttl")
+    for r in rows:
+        t.add_row(r["model_name"], str(r["world_size"]), str(r["worker_id"]), r["dtype"],
+                  r["chunk_hash"], str(r.get("num_tokens", "?")), str(r["parts"]),
+                  size(r["bytes"]), seconds(r["idle_seconds"]),
+                  seconds(r["ttl_seconds"], none="none"))
+    cx.out.print(t)
+    if limit and len(rows) == limit:
+        cx.info(f"showing the first {limit} entries (--limit 0 for all)")

@@ -1,0 +1,26 @@
+"""`lmcache-remote ping`: is Redis there, what is it, how far, will it evict when full."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import click
+from lmcache_remote_cli.context import CliContext, common_options
+from lmcache_remote_cli.output import size
+
+
+@click.command()
+@common_options
+def ping(cx: CliContext) -> None:
+    """Reachability, server name and version, latency, eviction policy."""
+    info = cx.admin.ping()
+    if cx.json:
+        cx.emit({"url": cx.admin.url, **dataclasses.asdict(info),
+                 "warnings": list(info.warnings)})
+        return
+    cx.out.print(f"{cx.admin.url}: {info.server} {info.version} ({info.mode}), "
+                 f"round trip {info.latency_ms:.3f} ms")
+    limit = size(info.maxmemory) if info.maxmemory else "no limit"
+    cx.out.print(f"maxmemory {limit}, maxmemory-policy {info.maxmemory_policy}")
+    for warning in info.warnings:
+        cx.warn(warning)

@@ -1,0 +1,20 @@
+"""Importing a snapshot, shared by `import` and `warm --from`: verify, then write, with bars."""
+
+from __future__ import annotations
+
+import os
+
+from lmcache_remote_cli.context import CliContext
+
+from lmcache_remote.admin import TransferResult
+
+
+def import_file(cx: CliContext, path: str, *, skip_existing: bool) -> TransferResult:
+    """Verify the whole file (nothing is written if it is damaged), then import it."""
+    total = os.path.getsize(path)
+    with cx.progress(f"verifying {os.path.basename(path)}", total, unit="bytes") as advance:
+        info = cx.admin.verify(path, advance)
+    label = "warming" if skip_existing else "importing"
+    with cx.progress(label, info.value_bytes, unit="bytes") as advance:
+        return cx.admin.import_(path, skip_existing=skip_existing, verify=False,
+                                progress=advance)

@@ -1,0 +1,220 @@
+"""The admin API: what the `lmcache-remote` CLI does, as a library, tested without Click.
+
+`CacheAdmin(config)` opens its Redis client lazily (`storage.client.make_client`: bounded
+timeouts, no retries, TLS options) and offers:
+
+- `ping()` -> `ServerInfo`: name and version (Redis or Valkey), latency, eviction warnings;
+- `stats()` -> `{"entries", "bytes", "groups", "redis", "engines"}` (see `docs/cli.md`);
+- `entries(filter, limit)` -> `Entry` per chunk, streamed; `inspect(key)` -> one decoded entry;
+- `plan_eviction(filter)` / `evict(filter)` -> `EvictResult(matched, deleted, bytes)`;
+- `export(path, filter)`, `verify(path)`, `import_(path, skip_existing=...)`: snapshot files.
+
+It touches keys under `config.key_prefix` only and lists keys with SCAN through
+`storage.scan.scan_batches` (every primary of a cluster). Every redis-py exception leaves as a
+`BackendError` from `storage.client.translate` (no password in the message); damaged
+snapshot files raise `SnapshotError` with the byte offset; file-system errors stay `OSError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import redis
+
+from lmcache_remote.admin.entries import Entry, iter_entries, load_entries
+from lmcache_remote.admin.evict import EvictResult, evict, plan_eviction
+from lmcache_remote.admin.filters import EntryFilter, parse_duration, prompt_chunk_hashes
+from lmcache_remote.admin.fleet import fleet_stats
+from lmcache_remote.admin.server import ServerInfo, server_info
+from lmcache_remote.admin.snapshot import SnapshotError, SnapshotInfo
+from lmcache_remote.admin.stats import GroupStats, group_stats, memory_info
+from lmcache_remote.admin.transfer import (
+    TransferResult,
+    export_snapshot,
+    import_snapshot,
+    verify_snapshot,
+)
+from lmcache_remote.config import CacheConfig, mask_url
+from lmcache_remote.errors import CorruptEntryError, KeyFormatError, LmcrError
+from lmcache_remote.keys import CacheEngineKey, split_part_key
+from lmcache_remote.serde import Serde, dtype_name
+from lmcache_remote.storage.client import make_client, translate
+
+__all__ = [
+    "CacheAdmin",
+    "Entry",
+    "EntryFilter",
+    "EvictResult",
+    "GroupStats",
+    "ServerInfo",
+    "SnapshotError",
+    "SnapshotInfo",
+    "TransferResult",
+    "describe",
+    "parse_duration",
+    "prompt_chunk_hashes",
+]
+
+Progress = Callable[[int], None] | None
+
+
+class EntryNotFoundError(LmcrError):
+    """`inspect` was asked for a key that holds no chunk."""
+
+
+@contextlib.contextmanager
+def _translated(where: str) -> Iterator[None]:
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise translate(exc, where) from exc
+
+
+class CacheAdmin:
+    """Admin operations on the chunks under one prefix of one Redis (or cluster)."""
+
+    def __init__(self, config: CacheConfig, client: Any = None) -> None:
+        self.config = config
+        self.prefix = config.key_prefix
+        self._client = client
+
+    @property
+    def url(self) -> str:
+        """The configured URL with any password masked."""
+        return mask_url(self.config.remote_url or "")
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = make_client(self.config)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> CacheAdmin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def ping(self) -> ServerInfo:
+        with _translated(self.url):
+            return server_info(self.client, self.config.remote_ttl)
+
+    def stats(self, flt: EntryFilter | None = None, progress: Progress = None) -> dict[str, Any]:
+        with _translated(self.url):
+            groups = group_stats(self.client, self.prefix, flt, progress)
+            mem = memory_info(self.client)
+            engines = fleet_stats(self.client, self.prefix)
+        return {
+            "prefix": self.prefix,
+            "entries": sum(g.entries for g in groups),
+            "bytes": sum(g.bytes for g in groups),
+            "groups": [vars(g) for g in groups],
+            "redis": mem,
+            "engines": engines,
+        }
+
+    def entries(self, flt: EntryFilter | None = None, limit: int | None = None) -> Iterator[Entry]:
+        """Matching chunks in SCAN order, at most `limit`."""
+        with _translated(self.url):
+            it = iter_entries(self.client, self.prefix, flt or EntryFilter())
+            yield from itertools.islice(it, limit)
+
+    def resolve_key(self, text: str) -> CacheEngineKey:
+        """A chunk key from a Redis key (chunk or part key) or `model:world:worker:dtype:hash`."""
+        try:
+            return split_part_key(self.prefix, text)[0]
+        except KeyFormatError:
+            return CacheEngineKey.from_string(text)
+
+    def inspect(self, text: str, verify: bool = True) -> dict[str, Any]:
+        """The decoded header of one chunk, and whether its values pass every check."""
+        key = self.resolve_key(text)
+        raw = key.redis_key(self.prefix).encode()
+        with _translated(self.url):
+            found = load_entries(self.client, self.prefix, [(raw, key)])
+            if not found:
+                raise EntryNotFoundError(f"no chunk under {key.redis_key(self.prefix)}")
+            entry = found[0]
+            values = self.client.mget(entry.keys) if verify and entry.header else None
+        return describe(entry, values)
+
+    # -- deleting -----------------------------------------------------------------------------
+
+    def plan_eviction(self, flt: EntryFilter, progress: Progress = None) -> EvictResult:
+        with _translated(self.url):
+            return plan_eviction(self.client, self.prefix, flt, progress)
+
+    def evict(self, flt: EntryFilter, progress: Progress = None) -> EvictResult:
+        with _translated(self.url):
+            return evict(self.client, self.prefix, flt, progress)
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def export(self, path: str, flt: EntryFilter | None = None,
+               progress: Progress = None) -> TransferResult:
+        with _translated(self.url):
+            return export_snapshot(self.client, self.prefix, path, flt, progress)
+
+    def verify(self, path: str, progress: Progress = None) -> SnapshotInfo:
+        return verify_snapshot(path, self.prefix, progress)
+
+    def import_(self, path: str, *, skip_existing: bool = False, verify: bool = True,
+                progress: Progress = None) -> TransferResult:
+        with _translated(self.url):
+            self.client.ping()  # fail before reading a large file when Redis is not there
+            return import_snapshot(self.client, self.prefix, path, skip_existing=skip_existing,
+                                   verify=verify, progress=progress)
+
+
+def describe(entry: Entry, values: list[bytes | None] | None = None) -> dict[str, Any]:
+    """A JSON-ready view of an entry; `values` (all of them) adds the checksum verdict."""
+    key = entry.key
+    out: dict[str, Any] = {
+        "redis_key": entry.redis_key,
+        "model_name": key.model_name,
+        "world_size": key.world_size,
+        "worker_id": key.worker_id,
+        "dtype": key.dtype,
+        "chunk_hash": key.chunk_hash,
+        "parts": entry.part_count,
+        "bytes": entry.nbytes,
+        "idle_seconds": entry.idle_seconds,
+        "ttl_seconds": None if entry.ttl_ms is None else entry.ttl_ms / 1000,
+        "error": entry.error,
+    }
+    header = entry.header
+    if header is not None:
+        out.update(
+            codec=header.codec_name,
+            value_dtype=dtype_name(header.dtype),
+            shape=list(header.shape),
+            num_tokens=header.num_tokens,
+            raw_bytes=header.raw_nbytes,
+            stored_bytes=header.payload_nbytes,
+            header_bytes=header.header_nbytes,
+            part_size=header.part_size,
+            header_hash_matches_key=header.chunk_hash.hex() == key.chunk_hash,
+        )
+    if values is not None:
+        out["checksum_ok"], out["error"] = _verify(entry, values)
+    else:
+        out["checksum_ok"] = None
+    return out
+
+
+def _verify(entry: Entry, values: list[bytes | None]) -> tuple[bool, str | None]:
+    try:
+        Serde("raw").decode(values, entry.key.hash_bytes)
+    except CorruptEntryError as exc:
+        return False, str(exc)
+    return True, None

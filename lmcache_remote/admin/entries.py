@@ -1,0 +1,127 @@
+"""Chunk entries as the admin tools see them: one `Entry` per chunk key (part index 0).
+
+`iter_entry_batches` streams SCAN pages (`storage.scan.scan_batches`) and turns the chunk keys
+of each page into entries with one pipeline per page: `GETRANGE key 0 4095` (the header; a
+longer header is read again in full), `STRLEN`, `OBJECT IDLETIME`, `PTTL`. Part keys (`#1`,
+`#2`, ...) are not entries of their own: the chunk's header names how many there are and how
+long each is, so an entry knows all its keys and its exact size without reading the payload.
+
+A chunk whose header does not decode is still an entry (`error` set, one value assumed, size
+= the length of value 0), so it can be listed and evicted. A key that vanished between SCAN and
+the pipeline is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis
+
+from lmcache_remote.admin.filters import EntryFilter
+from lmcache_remote.errors import CorruptEntryError
+from lmcache_remote.keys import CacheEngineKey, split_part_key
+from lmcache_remote.serde import HEADER_FIXED, Serde, ValueHeader, header_nbytes
+from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches
+
+HEADER_READ = 4096
+_SERDE = Serde("raw")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One stored chunk: its key, its values' keys and sizes, and what its header says."""
+
+    key: CacheEngineKey
+    redis_key: str
+    part_count: int
+    nbytes: int
+    """Sum of the lengths of all the chunk's values (header included)."""
+    idle_seconds: int | None
+    """Seconds since last access (None when the server does not track it, e.g. LFU)."""
+    ttl_ms: int | None
+    """Remaining time to live in milliseconds; None = no expiry."""
+    header: ValueHeader | None
+    error: str | None = None
+
+    @property
+    def keys(self) -> list[str]:
+        """Every value key of the chunk: the chunk key, then `#1`, `#2`, ..."""
+        return [self.redis_key] + [f"{self.redis_key}#{i}" for i in range(1, self.part_count)]
+
+    @property
+    def num_tokens(self) -> int | None:
+        return self.header.num_tokens if self.header is not None else None
+
+
+def parse_chunk_key(prefix: str, raw: bytes) -> CacheEngineKey | None:
+    """The chunk key of a value-0 key, None for a part key or anything unparsable."""
+    try:
+        key, index = split_part_key(prefix, raw)
+    except ValueError:  # KeyFormatError, or a malformed number in a foreign key
+        return None
+    return key if index == 0 else None
+
+
+def iter_entry_batches(
+    client: Any, prefix: str, flt: EntryFilter, count: int = DEFAULT_COUNT
+) -> Iterator[tuple[redis.Redis, list[bytes], list[Entry]]]:
+    """Per SCAN page: (node client, every key of the page, the page's matching entries)."""
+    for node, keys in scan_batches(client, flt.pattern(prefix), count):
+        heads = [(raw, k) for raw in keys if (k := parse_chunk_key(prefix, raw)) is not None]
+        heads = [(raw, k) for raw, k in heads if flt.matches_key(k)]
+        entries = load_entries(node, prefix, heads) if heads else []
+        yield node, keys, [e for e in entries if flt.matches_idle(e.idle_seconds)]
+
+
+def iter_entries(client: Any, prefix: str, flt: EntryFilter,
+                 count: int = DEFAULT_COUNT) -> Iterator[Entry]:
+    for _node, _keys, entries in iter_entry_batches(client, prefix, flt, count):
+        yield from entries
+
+
+def load_entries(node: Any, prefix: str,
+                 heads: Sequence[tuple[bytes, CacheEngineKey]]) -> list[Entry]:
+    """Entries for chunk keys, one pipeline (plus one per over-long header)."""
+    pipe = node.pipeline(transaction=False)
+    for raw, _ in heads:
+        pipe.getrange(raw, 0, HEADER_READ - 1)
+        pipe.strlen(raw)
+        pipe.object("idletime", raw)
+        pipe.pttl(raw)
+    replies = pipe.execute(raise_on_error=False)
+    out = []
+    for i, (raw, key) in enumerate(heads):
+        head, strlen, idle, pttl = replies[4 * i: 4 * i + 4]
+        if isinstance(pttl, Exception):
+            raise pttl
+        if int(pttl) == -2 or isinstance(strlen, Exception) or int(strlen) == 0:
+            continue  # gone since SCAN
+        if isinstance(head, Exception):
+            raise head
+        out.append(_entry(node, raw, key, bytes(head), int(strlen), idle, int(pttl)))
+    return out
+
+
+def _entry(node: Any, raw: bytes, key: CacheEngineKey, head: bytes, strlen: int, idle: Any,
+           pttl: int) -> Entry:
+    idle_s = None if isinstance(idle, Exception) or idle is None else int(idle)
+    ttl = None if pttl < 0 else pttl
+    redis_key = raw.decode("utf-8", "surrogateescape")
+    try:
+        header = read_header(node, raw, head, strlen)
+    except CorruptEntryError as exc:
+        return Entry(key, redis_key, 1, strlen, idle_s, ttl, None, str(exc))
+    nbytes = strlen + sum(stored for stored, _ in header.parts[1:])
+    return Entry(key, redis_key, header.part_count, nbytes, idle_s, ttl, header)
+
+
+def read_header(node: Any, raw: bytes, head: bytes, strlen: int) -> ValueHeader:
+    """Decode a chunk's header from the first bytes of value 0, reading more if needed."""
+    if len(head) >= HEADER_FIXED.size and len(head) < strlen:
+        part_count = HEADER_FIXED.unpack_from(head)[-1]
+        need = header_nbytes(part_count)
+        if need > len(head):
+            head = bytes(node.getrange(raw, 0, need - 1))
+    return _SERDE.read_header(head)

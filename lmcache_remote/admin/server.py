@@ -1,0 +1,74 @@
+"""Who answers at the URL: server name and version (Redis or Valkey), latency, eviction policy.
+
+`maxmemory-policy` decides what Redis does when it is full. A cache wants it to evict
+(`allkeys-lru`, `allkeys-lfu`, ...). `noeviction` makes Redis refuse writes instead, so every
+store becomes a dropped write; `volatile-*` evicts only keys with a TTL, which is the same as
+`noeviction` for a cache without `remote_ttl`. `server_info` returns those findings as warnings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+from lmcache_remote.storage.scan import scan_nodes
+
+_PINGS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerInfo:
+    server: str
+    """`redis` or `valkey`."""
+    version: str
+    latency_ms: float
+    """Median round trip of three PINGs."""
+    mode: str
+    """`standalone`, `cluster` or `sentinel`, as INFO reports it."""
+    maxmemory: int
+    maxmemory_policy: str | None
+    warnings: tuple[str, ...]
+
+
+def eviction_warnings(policy: str | None, maxmemory: int, ttl: float | None) -> list[str]:
+    """Plain-language warnings about a `maxmemory-policy` that would refuse writes."""
+    out = []
+    if policy == "noeviction":
+        out.append(
+            "maxmemory-policy is noeviction: when Redis is full it refuses writes instead of "
+            "evicting old chunks; set it to allkeys-lru"
+        )
+    elif policy and policy.startswith("volatile-") and ttl is None:
+        out.append(
+            f"maxmemory-policy is {policy}: only keys with a TTL are evicted and remote_ttl is "
+            "not set, so a full Redis refuses writes; use allkeys-lru or set remote_ttl"
+        )
+    if maxmemory == 0 and policy != "noeviction":
+        out.append("maxmemory is 0 (no limit): Redis grows until the machine runs out of memory")
+    return out
+
+
+def server_info(client: Any, remote_ttl: float | None = None) -> ServerInfo:
+    rtts = []
+    for _ in range(_PINGS):
+        start = time.perf_counter()
+        client.ping()
+        rtts.append((time.perf_counter() - start) * 1000)
+    node = scan_nodes(client)[0]
+    info = node.info("server")
+    mem = node.info("memory")
+    name = str(info.get("server_name") or "redis").lower()
+    version = str(info.get(f"{name}_version") or info.get("redis_version") or "?")
+    policy = mem.get("maxmemory_policy")
+    maxmemory = int(mem.get("maxmemory", 0))
+    return ServerInfo(
+        server=name,
+        version=version,
+        latency_ms=round(statistics.median(rtts), 3),
+        mode=str(info.get("redis_mode", "standalone")),
+        maxmemory=maxmemory,
+        maxmemory_policy=policy,
+        warnings=tuple(eviction_warnings(policy, maxmemory, remote_ttl)),
+    )

@@ -1,0 +1,168 @@
+"""Export chunks into a snapshot file, import them back (into any Redis, under any prefix).
+
+- `export_snapshot`: streams the matching entries (`iter_entry_batches`), reads their values
+  and remaining TTLs (`GET` + `PTTL` per value, pipelined in windows of about `WINDOW_BYTES`)
+  and appends one record per chunk. A chunk that vanished or changed shape meanwhile is
+  skipped and counted, never written half.
+- `verify_snapshot`: reads the whole file once and checks every checksum and key; raises
+  `SnapshotError` (with the byte offset) at the first damage.
+- `import_snapshot`: verifies the whole file first, so a damaged file imports nothing; then
+  writes every chunk in windows: one value `SET key value [PX ttl]`, several values `MSET`
+  (atomic, one hash slot) then `PEXPIRE` per value with a TTL. Values are written byte for
+  byte as exported, with the remaining TTL they had at export time. With `skip_existing`
+  (what `warm` does) a chunk whose values all exist already is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from lmcache_remote.admin.entries import Entry, iter_entry_batches
+from lmcache_remote.admin.filters import EntryFilter
+from lmcache_remote.admin.snapshot import (
+    SnapshotError,
+    SnapshotInfo,
+    SnapshotReader,
+    SnapshotRecord,
+    SnapshotWriter,
+)
+from lmcache_remote.keys import absolute_key, relative_key, split_part_key
+
+WINDOW_BYTES = 64 * 1024 * 1024
+Progress = Callable[[int], None] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferResult:
+    chunks: int
+    """Chunks exported or imported."""
+    bytes: int
+    """Sum of the lengths of their values."""
+    skipped: int = 0
+    """Chunks left out: vanished during export, or already present on a warm import."""
+
+
+def _windows(entries: Iterable[Entry]) -> Iterator[list[Entry]]:
+    window: list[Entry] = []
+    size = 0
+    for entry in entries:
+        window.append(entry)
+        size += entry.nbytes
+        if size >= WINDOW_BYTES:
+            yield window
+            window, size = [], 0
+    if window:
+        yield window
+
+
+def export_snapshot(client: Any, prefix: str, path: str | os.PathLike[str],
+                    flt: EntryFilter | None = None, progress: Progress = None) -> TransferResult:
+    flt = flt or EntryFilter()
+    chunks = nbytes = skipped = 0
+    with SnapshotWriter(path, prefix) as writer:
+        for node, _keys, entries in iter_entry_batches(client, prefix, flt):
+            for window in _windows(entries):
+                pipe = node.pipeline(transaction=False)
+                for entry in window:
+                    for key in entry.keys:
+                        pipe.get(key)
+                        pipe.pttl(key)
+                replies = iter(pipe.execute())
+                for entry in window:
+                    got = [(next(replies), next(replies)) for _ in entry.keys]
+                    if any(v is None or int(t) == -2 for v, t in got):
+                        skipped += 1
+                        continue
+                    values = [bytes(v) for v, _ in got]
+                    ttls = [None if int(t) < 0 else int(t) for _, t in got]
+                    writer.add(relative_key(prefix, entry.redis_key), values, ttls)
+                    chunks += 1
+                    nbytes += sum(len(v) for v in values)
+                if progress is not None:
+                    progress(len(window))
+    return TransferResult(chunks, nbytes, skipped)
+
+
+def verify_snapshot(path: str | os.PathLike[str], prefix: str,
+                    progress: Progress = None) -> SnapshotInfo:
+    """Read the whole file, checking every checksum and key; the info with record counts."""
+    with SnapshotReader(path) as reader:
+        for record in reader.records():
+            _chunk_key(reader, prefix, record)
+            if progress is not None:
+                progress(record.nbytes)
+        return reader.info
+
+
+def _chunk_key(reader: SnapshotReader, prefix: str, record: SnapshotRecord) -> str:
+    key = absolute_key(prefix, record.key)
+    try:
+        _, index = split_part_key(prefix, key)
+    except ValueError as exc:  # KeyFormatError, or a malformed number
+        raise SnapshotError(
+            reader.path, record.offset, f"record key is not a chunk key: {exc}"
+        ) from None
+    if index != 0:
+        raise SnapshotError(reader.path, record.offset, "record key is a part key")
+    return key
+
+
+def import_snapshot(client: Any, prefix: str, path: str | os.PathLike[str], *,
+                    skip_existing: bool = False, verify: bool = True,
+                    progress: Progress = None) -> TransferResult:
+    """Import every chunk of the file under `prefix`; nothing at all if the file is damaged.
+
+    `progress` is called with the bytes of each chunk handled (imported or skipped).
+    """
+    if verify:
+        verify_snapshot(path, prefix)
+    chunks = nbytes = skipped = 0
+    with SnapshotReader(path) as reader:
+        window: list[tuple[list[str], SnapshotRecord]] = []
+        size = 0
+        for record in reader.records():
+            base = _chunk_key(reader, prefix, record)
+            keys = [base] + [f"{base}#{i}" for i in range(1, len(record.values))]
+            window.append((keys, record))
+            size += record.nbytes
+            if size >= WINDOW_BYTES:
+                done, left = _write_window(client, window, skip_existing, progress)
+                chunks, nbytes, skipped = chunks + done[0], nbytes + done[1], skipped + left
+                window, size = [], 0
+        if window:
+            done, left = _write_window(client, window, skip_existing, progress)
+            chunks, nbytes, skipped = chunks + done[0], nbytes + done[1], skipped + left
+    return TransferResult(chunks, nbytes, skipped)
+
+
+def _write_window(client: Any, window: list[tuple[list[str], SnapshotRecord]],
+                  skip_existing: bool, progress: Progress) -> tuple[tuple[int, int], int]:
+    todo = window
+    if skip_existing:
+        pipe = client.pipeline(transaction=False)
+        for keys, _ in window:
+            pipe.exists(*keys)
+        present = pipe.execute()
+        todo = [w for w, n in zip(window, present, strict=True) if int(n) != len(w[0])]
+    pipe = client.pipeline(transaction=False)
+    for keys, record in todo:
+        if len(keys) == 1:
+            pipe.set(keys[0], record.values[0], px=_px(record.ttls_ms[0]))
+            continue
+        pipe.mset(dict(zip(keys, record.values, strict=True)))
+        for key, ttl in zip(keys, record.ttls_ms, strict=True):
+            if ttl is not None:
+                pipe.pexpire(key, _px(ttl))
+    if todo:
+        pipe.execute()
+    if progress is not None:
+        progress(sum(r.nbytes for _, r in window))
+    return (len(todo), sum(r.nbytes for _, r in todo)), len(window) - len(todo)
+
+
+def _px(ttl_ms: int | None) -> int | None:
+    """The PX argument for a remaining TTL; 0 (about to expire) becomes 1 ms, not 'forever'."""
+    return None if ttl_ms is None else max(1, ttl_ms)

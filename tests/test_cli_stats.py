@@ -1,0 +1,153 @@
+"""`lmcache-remote stats`, `ls`, `inspect`, `ping` against real servers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+import torch
+from cliutil import chunk_keys, fill, run, run_json
+from kvutil import engine, metadata, tokens, view
+
+from lmcache_remote.keys import CacheEngineKey
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_stats_counts_entries_and_bytes_per_group(redis_url: str, redis_client: redis.Redis,
+                                                  key_prefix: str) -> None:
+    a = fill(redis_url, key_prefix, "org/model-a", n=700)
+    b = fill(redis_url, key_prefix, "org/model-b", n=1100, seed=3, dtype=torch.float16,
+             remote_part_size=4096)  # several values per chunk
+    c = fill(redis_url, key_prefix, "org/model-a", n=300, seed=5, worker=1, world=2)
+    # keys that are not the prefix's chunks: another prefix, an unrelated key
+    foreign = CacheEngineKey("org/model-a", 1, 0, "bfloat16", "0" * 32)
+    redis_client.set(foreign.redis_key(key_prefix + "x"), b"x" * 1000)
+    redis_client.set(f"unrelated:{key_prefix}", b"y" * 1000)
+
+    out = run_json("stats", "--url", redis_url, "--prefix", key_prefix)
+
+    groups = {(g["model_name"], g["world_size"], g["worker_id"], g["dtype"]): g
+              for g in out["groups"]}
+    assert set(groups) == {("org/model-a", 1, 0, "bfloat16"), ("org/model-b", 1, 0, "float16"),
+                           ("org/model-a", 2, 1, "bfloat16")}
+    assert groups["org/model-a", 1, 0, "bfloat16"]["entries"] == a == 2
+    assert groups["org/model-b", 1, 0, "float16"]["entries"] == b == 4
+    assert groups["org/model-a", 2, 1, "bfloat16"]["entries"] == c == 1
+    assert out["entries"] == a + b + c
+    keys = chunk_keys(redis_client, key_prefix)
+    assert len(keys) > a + b + c  # model-b's chunks have part keys
+    assert out["bytes"] == sum(redis_client.strlen(k) for k in keys)
+    for (model, world, worker, dtype), g in groups.items():
+        mine = [k for k in keys
+                if k.decode().startswith(f"{key_prefix}:v1:{model}:{world}:{worker}:{dtype}:")]
+        assert g["bytes"] == sum(redis_client.strlen(k) for k in mine)
+    assert out["redis"]["used_memory"] > 0 and "maxmemory_policy" in out["redis"]
+    assert out["engines"]["count"] == 0
+
+
+def test_stats_shows_the_fleet_hit_rate(redis_url: str, key_prefix: str) -> None:
+    n = 1024
+    kv, _ = view("kv_split", torch.bfloat16, n, seed=1)
+    with engine(redis_url, key_prefix, store_async=False) as a, \
+            engine(redis_url, key_prefix, metadata(worker=0), local_cpu=False) as b:
+        a.store(tokens(n), kv)
+        a.lookup(tokens(n))                           # 1024 of 1024
+        b.lookup(tokens(n)[:512] + tokens(512, 9))    # 512 of 1024
+        b.lookup(tokens(700, 4))                      # 0 of 700
+        a.flush()
+        b.flush()
+        own = [e.stats()["engine"] for e in (a, b)]
+        out = run_json("stats", "--url", redis_url, "--prefix", key_prefix)
+    fleet = out["engines"]
+    assert fleet["count"] == 2
+    assert fleet["lookup_tokens"] == sum(s["lookup_tokens"] for s in own) == 2748
+    assert fleet["hit_tokens"] == sum(s["lookup_hit_tokens"] for s in own) == 1536
+    assert abs(fleet["hit_rate"] - 1536 / 2748) < 1e-6
+    assert fleet["models"] == ["test/model"]
+    assert out["entries"] == 4  # the engines' hashes are not chunks
+
+
+def test_stats_human_output_is_a_table(redis_url: str, key_prefix: str) -> None:
+    fill(redis_url, key_prefix, "org/model-a")
+    result = run("stats", "--url", redis_url, "--prefix", key_prefix)
+    assert result.exit_code == 0
+    assert "org/model-a" in result.stdout and "total" in result.stdout
+
+
+def test_ls_lists_entries_with_filters_and_limit(redis_url: str, key_prefix: str) -> None:
+    fill(redis_url, key_prefix, "org/model-a", n=800, remote_ttl=600)
+    fill(redis_url, key_prefix, "org/model-b", n=600, seed=2)
+    out = run_json("ls", "--url", redis_url, "--prefix", key_prefix, "--limit", "0")
+    assert out["count"] == 5
+    a_rows = [r for r in out["entries"] if r["model_name"] == "org/model-a"]
+    assert len(a_rows) == 3
+    assert all(r["num_tokens"] == 256 and r["dtype"] == "bfloat16" for r in out["entries"])
+    assert all(500 < r["ttl_seconds"] <= 600 for r in a_rows)
+    assert all(r["ttl_seconds"] is None for r in out["entries"] if r not in a_rows)
+    assert all(r["idle_seconds"] is not None and r["bytes"] > 0 for r in out["entries"])
+    only_b = run_json("ls", "--url", redis_url, "--prefix", key_prefix, "--model", "org/model-b")
+    assert {r["model_name"] for r in only_b["entries"]} == {"org/model-b"}
+    assert only_b["count"] == 2
+    limited = run_json("ls", "--url", redis_url, "--prefix", key_prefix, "--limit", "2")
+    assert limited["count"] == 2
+    human = run("ls", "--url", redis_url, "--prefix", key_prefix)
+    assert human.exit_code == 0 and "org/model-b" in human.stdout
+
+
+def test_inspect_decodes_the_header_and_verifies(redis_url: str, redis_client: redis.Redis,
+                                                 key_prefix: str) -> None:
+    fill(redis_url, key_prefix, "org/model-a", n=300)
+    row = run_json("ls", "--url", redis_url, "--prefix", key_prefix)["entries"][0]
+    info = run_json("inspect", row["redis_key"], "--url", redis_url, "--prefix", key_prefix)
+    assert info["codec"] == "lz4" and info["num_tokens"] == 256
+    assert info["shape"] == [2, 2, 256, 2, 8] and info["value_dtype"] == "bfloat16"
+    assert info["raw_bytes"] == 2 * 2 * 256 * 2 * 8 * 2
+    assert info["checksum_ok"] is True and info["error"] is None
+    assert info["bytes"] == redis_client.strlen(row["redis_key"])
+    short = f"org/model-a:1:0:bfloat16:{row['chunk_hash']}"
+    assert run_json("inspect", short, "--url", redis_url, "--prefix", key_prefix)["bytes"] \
+        == info["bytes"]
+    # damage one payload byte: the header still decodes, the checksum does not match
+    redis_client.setrange(row["redis_key"], info["header_bytes"] + 5, b"\xff\x00")
+    bad = run_json("inspect", row["redis_key"], "--url", redis_url, "--prefix", key_prefix)
+    assert bad["checksum_ok"] is False and "checksum" in bad["error"]
+    human = run("inspect", row["redis_key"], "--url", redis_url, "--prefix", key_prefix)
+    assert human.exit_code == 0 and "FAILED" in human.stdout
+    missing = run("inspect", f"org/model-a:1:0:bfloat16:{'0' * 32}", "--url", redis_url,
+                  "--prefix", key_prefix)
+    assert missing.exit_code == 1 and "no chunk" in missing.stderr
+
+
+def test_ping_names_the_server_and_warns_on_noeviction(backend_url: str, redis_factory) -> None:
+    out = run_json("ping", "--url", backend_url)
+    expected = "valkey" if "valkey" in run("ping", "--url", backend_url).stdout else "redis"
+    assert out["server"] == expected and out["version"][0].isdigit()
+    assert out["latency_ms"] >= 0
+    assert out["maxmemory_policy"] == "noeviction"  # the test servers' default
+    assert any("noeviction" in w for w in out["warnings"])
+    human = run("ping", "--url", backend_url)
+    assert human.exit_code == 0 and "noeviction" in human.stderr
+    lru = redis_factory("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+    ok = run_json("ping", "--url", lru.url)
+    assert ok["maxmemory_policy"] == "allkeys-lru" and ok["warnings"] == []
+
+
+def test_ping_tells_valkey_from_redis(redis_url: str, valkey_server) -> None:
+    assert run_json("ping", "--url", redis_url)["server"] == "redis"
+    assert run_json("ping", "--url", valkey_server.url)["server"] == "valkey"
+
+
+def test_console_script_runs(redis_url: str, key_prefix: str) -> None:
+    exe = Path(sys.executable).with_name("lmcache-remote")
+    helped = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "evict" in helped.stdout
+    fill(redis_url, key_prefix)
+    done = subprocess.run([str(exe), "stats", "--json", "--url", redis_url, "--prefix",
+                           key_prefix], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    assert json.loads(done.stdout)["entries"] == 2
