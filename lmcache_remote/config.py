@@ -94,6 +94,16 @@ class CacheConfig:
             _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
         _validate(self)
 
+    def __repr__(self) -> str:
+        """The dataclass repr with the password in `remote_url` masked: configs get logged."""
+        shown = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "remote_url" and value is not None:
+                value = mask_url(value)
+            shown.append(f"{f.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown)})"
+
     @property
     def max_local_cpu_bytes(self) -> int:
         return int(self.max_local_cpu_size * GIB)

@@ -21,6 +21,8 @@ Who calls what, and what each call promises:
 - `flush()`: wait (bounded) until queued Redis writes landed or were dropped.
 - `freeze(True)`: no stores (each `store` returns 0) while reads go on; `freeze(False)` ends it.
 - `stats()`: counters and gauges as plain dicts.
+- `check_remote()`: check now that Redis answers and this client's ACL user may use the cache
+  (raises `BackendPermissionError` & co.); the engine runs it once at start-up and only logs.
 - `close()` (or leaving the `with` block): flush, stop the writer thread, free memory.
 
 Thread safety: every method may be called from several threads at once; the tiers, the pool
@@ -32,8 +34,9 @@ rank names chunks with world size 1 and worker 0 (the key of a single-rank engin
 does not depend on the parallelism), only worker 0 stores (the others' `store` and
 `store_layer` store nothing and report 0), and every rank loads that one copy.
 
-The engine starts while Redis is down: redis-py connects lazily, and a failed call only opens
-the health gate's back-off, after which the next call probes Redis again.
+The engine starts while Redis is down: the start-up check logs a warning, redis-py connects
+lazily, and a failed call only opens the health gate's back-off, after which the next call
+probes Redis again. Faults, what each costs and what is counted: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import torch
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.connectors import KVView
+from lmcache_remote.errors import BackendPermissionError
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase, tokens_to_array
 from lmcache_remote.memory import ChunkLayout, MemoryObj
 from lmcache_remote.metrics import Metrics
@@ -115,6 +119,7 @@ class CacheEngine:
         self._frozen = False
         self._closed = False
         self._close_lock = threading.Lock()
+        self._check_remote_at_start()
 
     # -- context manager --------------------------------------------------------------------
 
@@ -251,6 +256,16 @@ class CacheEngine:
             self._check_view(kv)
         return self._retrieve_layers(len(arr), specs, kv, start)
 
+    def check_remote(self) -> None:
+        """Check now that Redis answers and lets this client use the cache: PING, then the
+        chunk commands on a probe key under `key_prefix` (`storage.access`), on a connection of
+        its own, bounded by `remote_timeout`. Returns None when all is well (or when no remote
+        tier is configured); raises `BackendPermissionError` naming the refused commands (an ACL
+        user without the rights, a wrong password), `BackendUnavailableError` or
+        `BackendTimeoutError`. `store`/`retrieve` never raise for these; call this to fail fast.
+        """
+        self.storage.check_remote()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued Redis writes landed or were dropped; False if the bound ran out.
 
@@ -281,6 +296,21 @@ class CacheEngine:
         self.storage.close()
 
     # -- internals --------------------------------------------------------------------------
+
+    def _check_remote_at_start(self) -> None:
+        """One `check_remote` when the engine starts: a refused login or missing ACL rights is
+        logged as an ERROR and counted (`remote.permission_errors`), never raised; Redis being
+        down is a warning (the engine runs without it and probes it again later)."""
+        try:
+            self.storage.check_remote()
+        except BackendPermissionError as exc:
+            self.metrics.inc("remote.permission_errors")
+            logger.error(
+                "Redis refuses this client: %s. Until its ACL user has the rights listed in "
+                "docs/reliability.md, every store is dropped and every retrieve misses.", exc)
+        except Exception as exc:  # a check must never stop the engine from starting
+            logger.warning("Redis is not usable at start-up (%s); the engine runs without it "
+                           "and tries it again on the next calls.", exc)
 
     def _check_view(self, kv: KVView) -> None:
         if not isinstance(kv, KVView):

@@ -112,7 +112,9 @@ class CacheEngineKey:
 
 
 def _int(text: str) -> int:
-    if not text.isdigit() or (len(text) > 1 and text[0] == "0"):
+    # ASCII only: str.isdigit() also accepts "²" (int() then fails) and "١" (int() gives 1,
+    # so a key that is not canonical would parse)
+    if not (text.isascii() and text.isdigit()) or (len(text) > 1 and text[0] == "0"):
         raise KeyFormatError(f"expected a decimal integer, got {text!r}")
     return int(text)
 
@@ -122,7 +124,7 @@ def split_part_key(prefix: str, key: str | bytes) -> tuple[CacheEngineKey, int]:
     text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
     base, sep, index = text.rpartition(PART_SEP)
     if sep and base.endswith("}"):
-        if not index.isdigit() or index.startswith("0"):
+        if not (index.isascii() and index.isdigit()) or index.startswith("0"):
             raise KeyFormatError(f"bad part index in {text!r}")
         return CacheEngineKey.from_redis_key(prefix, base), int(index)
     return CacheEngineKey.from_redis_key(prefix, text), 0

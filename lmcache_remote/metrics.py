@@ -99,6 +99,13 @@ class RateLimitedLogger:
         self._lock = threading.Lock()
 
     def warning(self, key: str, msg: str, *args: object) -> None:
+        self._log(logging.WARNING, key, msg, args)
+
+    def error(self, key: str, msg: str, *args: object) -> None:
+        """For a misconfiguration that needs a person (Redis refusing this client's rights)."""
+        self._log(logging.ERROR, key, msg, args)
+
+    def _log(self, level: int, key: str, msg: str, args: tuple[object, ...]) -> None:
         now = time.monotonic()
         with self._lock:
             last = self._last.get(key)
@@ -110,7 +117,7 @@ class RateLimitedLogger:
         if suppressed:
             msg += " (%d similar messages suppressed)"
             args = (*args, suppressed)
-        self._logger.warning(msg, *args)
+        self._logger.log(level, msg, *args)
 
 
 @dataclasses.dataclass(eq=False)

@@ -12,7 +12,9 @@ explicit retry policy:
   retried once, at once, if less than half of `remote_timeout` has passed; a timeout is never
   retried, so a hung server costs one `remote_timeout`;
 - a `HealthGate` in front: after a failure the remote is skipped (`BackendUnavailableError`
-  at once) until its back-off ends, then one call probes it.
+  at once) until its back-off ends, then one call probes it. An error *answer* (OOM, NOPERM)
+  is raised but does not close the gate: the server is alive and other calls may succeed.
+  Any other exception from the operation becomes a `BackendError` too.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import NoPermissionError
+from redis.exceptions import ClusterDownError, NoPermissionError, TryAgainError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -182,6 +184,7 @@ def translate(exc: BaseException, where: str = "redis") -> BackendError:
 
 
 _FAILURES = (redis.RedisError, OSError)
+_DOWN_ANSWERS = (ClusterDownError, TryAgainError)
 
 
 class RemoteCaller:
@@ -198,9 +201,25 @@ class RemoteCaller:
         start = time.monotonic()
         try:
             result = self._with_retry(op, start)
+        except redis.ResponseError as exc:
+            # The server answered (OOM under noeviction, NOPERM, ...): it is alive, so reads
+            # must go on; only a cluster that reports itself down counts against its health.
+            if isinstance(exc, _DOWN_ANSWERS):
+                self.gate.failure()
+            else:
+                self.gate.success()
+            raise translate(exc, self.where) from exc
         except _FAILURES as exc:
             self.gate.failure()
             raise translate(exc, self.where) from exc
+        except Exception as exc:  # a reply the client could not handle: never past storage
+            self.gate.failure()
+            raise BackendError(
+                f"{self.where}: unexpected {type(exc).__name__}: {mask_url(str(exc))}"
+            ) from exc
+        except BaseException:  # KeyboardInterrupt: still end a probe, or the gate stays shut
+            self.gate.failure()
+            raise
         self.gate.success()
         return result
 

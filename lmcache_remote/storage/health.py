@@ -43,7 +43,13 @@ class HealthGate:
             self._probing = False
 
     def failure(self) -> None:
+        """A call failed. Only the failure that opens the gate, or a failed probe, lengthens
+        the back-off: calls that were already in flight when the first one failed (several
+        threads hitting the same dead server) must not double it once each, or a short outage
+        would keep the tier skipped for `max_backoff`."""
         with self._lock:
+            if self._failures and not self._probing and time.monotonic() < self._until:
+                return
             self._failures += 1
             self._probing = False
             delay = min(self._max, self._base * 2 ** min(self._failures - 1, 16))

@@ -14,7 +14,8 @@ What it promises the engine:
   room; None when even that cannot.
 
 Remote failures never leave this class as exceptions: they become misses and dropped writes,
-counted in `remote.errors`, `remote.dropped_chunks` and logged (rate-limited).
+counted in `remote.errors`, `remote.dropped_chunks` and logged (rate-limited); permission
+errors also in `remote.permission_errors`, logged as errors (`note_remote_failure`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from collections import deque
 from collections.abc import Sequence
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.errors import BackendError
+from lmcache_remote.errors import BackendError, BackendPermissionError
 from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.storage.access import check_access
 from lmcache_remote.storage.cluster_tier import make_remote_tier
 from lmcache_remote.storage.local_cpu import LocalCPUTier
 from lmcache_remote.storage.redis_tier import RedisTier
@@ -130,9 +132,9 @@ class WriteBehindQueue:
         try:
             self._remote.put(keys, objs)
         except BackendError as exc:
-            self._metrics.inc("remote.errors")
             self._metrics.inc("remote.dropped_chunks", len(keys))
-            self._log.warning("write", "dropped %d chunk writes: %s", len(keys), exc)
+            note_remote_failure(self._metrics, self._log, "write", exc,
+                                "dropped %d chunk writes: %s", len(keys), exc)
         except Exception:  # the thread must survive anything one batch does
             self._metrics.inc("remote.errors")
             self._metrics.inc("remote.dropped_chunks", len(keys))
@@ -172,8 +174,8 @@ class StorageManager:
     # -- reads --------------------------------------------------------------------------------
 
     def _remote_failed(self, what: str, exc: BackendError) -> None:
-        self.metrics.inc("remote.errors")
-        self._log.warning(what, "remote %s failed, treated as a miss: %s", what, exc)
+        note_remote_failure(self.metrics, self._log, what, exc,
+                            "remote %s failed, treated as a miss: %s", what, exc)
 
     def lookup(self, specs: Sequence[ChunkSpec]) -> int:
         """How many leading chunks are retrievable now (local or remote)."""
@@ -232,9 +234,9 @@ class StorageManager:
                 remote_has = self.remote.contains(specs)
                 need_remote = [not p for p in remote_has]
             except BackendError as exc:
-                self.metrics.inc("remote.errors")
                 self.metrics.inc("remote.dropped_chunks", n)
-                self._log.warning("plan", "remote unavailable, writes dropped: %s", exc)
+                note_remote_failure(self.metrics, self._log, "plan", exc,
+                                    "remote unavailable, writes dropped: %s", exc)
         return StorePlan(need_local, need_remote, remote_has, local_objs)
 
     def write(
@@ -261,11 +263,19 @@ class StorageManager:
         try:
             self.remote.put(rkeys, robjs)
         except BackendError as exc:
-            self.metrics.inc("remote.errors")
             self.metrics.inc("remote.dropped_chunks", len(rkeys))
-            self._log.warning("write", "dropped %d chunk writes: %s", len(rkeys), exc)
+            note_remote_failure(self.metrics, self._log, "write", exc,
+                                "dropped %d chunk writes: %s", len(rkeys), exc)
             return False
         return True
+
+    def check_remote(self) -> None:
+        """`storage.access.check_access` on the configured Redis (nothing without one); on
+        success the tier's health gate forgets past failures."""
+        if self.remote is None:
+            return
+        check_access(self.config)
+        self.remote.gate.reset()
 
     def flush(self, timeout: float | None = None) -> bool:
         if self.queue is None:
@@ -302,6 +312,20 @@ class StorageManager:
         if self.remote is not None:
             self.remote.close()
         self.pool.trim()
+
+
+def note_remote_failure(metrics: Metrics, log: RateLimitedLogger, what: str, exc: BackendError,
+                        msg: str, *args: object) -> None:
+    """Count a remote failure in `remote.errors` and log it (rate-limited). A permission error
+    (ACL NOPERM, wrong password) is also counted in `remote.permission_errors` and logged as an
+    ERROR, every time it recurs (rate-limited): a misconfiguration must not pass as misses."""
+    metrics.inc("remote.errors")
+    if isinstance(exc, BackendPermissionError):
+        metrics.inc("remote.permission_errors")
+        log.error(f"{what}-permission", "Redis refused this client's rights (%s): " + msg,
+                  "check the ACL user, see docs/reliability.md", *args)
+    else:
+        log.warning(what, msg, *args)
 
 
 def _merge_prefix(

@@ -1,0 +1,74 @@
+"""Access check: may the configured Redis user do what the cache needs, under its prefix?
+
+A Redis ACL user that lacks a command or a key pattern makes every store a dropped write and
+every retrieve a miss; counted, but easy to mistake for a cold cache. `check_access(config)`
+tells at once: on a connection of its own (never the engine's health gate), bounded by
+`remote_timeout`, it sends one pipeline: PING, then MSET, SET PX, EXISTS, GET, PEXPIRE and
+UNLINK on a probe key under the prefix (`keys.probe_key`, written and deleted in the same
+round trip, with a 10 s expiry in case the UNLINK never runs). It raises
+
+- `BackendPermissionError` naming every refused command (or the failed login), with the
+  redis-py message (never the password);
+- `BackendUnavailableError` / `BackendTimeoutError` when Redis cannot be reached in time;
+- `BackendError` for any other error answer.
+
+`ENGINE_COMMANDS` and `ADMIN_COMMANDS` are the commands the engine and the CLI use; an ACL
+user for the cache needs them on `~{prefix}:*` (docs/reliability.md has a ready `ACL SETUSER`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import redis
+
+from lmcache_remote.config import CacheConfig, mask_url
+from lmcache_remote.errors import BackendError, BackendPermissionError
+from lmcache_remote.keys import probe_key
+from lmcache_remote.storage.client import make_client, translate
+
+#: Commands the engine sends (chunks: EXISTS GET SET MSET PEXPIRE UNLINK; fleet stats: HSET
+#: EXPIRE; the access check: PING).
+ENGINE_COMMANDS = ("ping", "exists", "get", "set", "mset", "pexpire", "unlink", "hset", "expire")
+#: Commands the CLI adds (listing, inspecting, exporting, stats, eviction).
+ADMIN_COMMANDS = ("scan", "strlen", "getrange", "object|idletime", "pttl", "mget", "hgetall",
+                  "info")
+_PROBE_TTL_MS = 10_000
+_PROBE = ("mset", "set", "exists", "get", "pexpire", "unlink")
+
+
+def check_access(config: CacheConfig) -> None:
+    """Raise a `BackendError` subclass unless Redis lets this client use the cache; see above."""
+    client = make_client(config)
+    where = "redis"
+    try:
+        key = probe_key(config.key_prefix, uuid.uuid4().hex)
+        try:
+            client.ping()
+            results = _probe(client, key)
+        except (redis.RedisError, OSError) as exc:
+            raise translate(exc, where) from exc
+        except Exception as exc:  # redis-py's cluster errors are no RedisError
+            raise BackendError(f"{where}: {type(exc).__name__}: {mask_url(str(exc))}") from exc
+        refused = [(cmd, r) for cmd, r in zip(_PROBE, results, strict=True)
+                   if isinstance(r, Exception)]
+        if refused:
+            names = ", ".join(cmd.upper() for cmd, _ in refused)
+            first = translate(refused[0][1], where)
+            cls = BackendPermissionError if isinstance(first, BackendPermissionError) \
+                else BackendError
+            raise cls(f"{where}: key prefix {config.key_prefix!r}: refused {names}: {first}")
+    finally:
+        client.close()
+
+
+def _probe(client: Any, key: str) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    pipe.execute_command("MSET", key, b"lmcr-probe")  # .mset() is refused in cluster pipelines
+    pipe.set(key, b"lmcr-probe", px=_PROBE_TTL_MS)
+    pipe.exists(key)
+    pipe.get(key)
+    pipe.pexpire(key, _PROBE_TTL_MS)
+    pipe.unlink(key)
+    return list(pipe.execute(raise_on_error=False))
