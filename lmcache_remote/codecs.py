@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import struct
-from typing import Protocol
+from typing import Any, Protocol
 
 import lz4.block
 import numpy as np
@@ -149,7 +149,9 @@ class Lz4Codec:
 PLANES_HEAD = struct.Struct("<B")
 PLANE_ENTRY = struct.Struct("<BI")
 _PLANE_COUNTS = (1, 2, 4, 8)
-_WORDS = {1: np.uint8, 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORDS: dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8"),
+}
 
 
 def _merge_plane(words: np.ndarray, plane: np.ndarray, j: int) -> None:

@@ -32,8 +32,8 @@ into the staging tensor, tokens in range order (chunk-major), then one copy per 
 slice into the destination (device -> pinned host, non_blocking). Scatter runs the same steps
 backwards (host -> device copies into staging, then one `index_put_` per layer). A single range
 is never split, so one range may exceed the staging bound. No Python loop runs per token.
-`DenseKV` on the CPU skips the staging tensor: one strided copy per range, layer and K/V plane
-straight between the cache and the chunk (the staging copy cost ~20x on 32 MiB chunks).
+`DenseKV` on the CPU skips the staging tensor: one 2-D copy per range, layer, K/V plane and
+head straight between the cache and the chunk (the staging copy cost ~20x on 32 MiB chunks).
 """
 
 from __future__ import annotations
@@ -342,12 +342,13 @@ class DenseKV(KVView[_Spans]):
         for (start, end), host in group:
             for layer in layers:
                 for plane, cache in ((0, self._keys), (1, self._values)):
-                    chunk_view = host[layer, plane]  # [tokens, heads, head_size]
-                    cache_view = cache[layer][:, start:end].permute(1, 0, 2)
-                    if to_host:
-                        chunk_view.copy_(cache_view)
-                    else:
-                        cache_view.copy_(chunk_view)
+                    for head in range(self.num_kv_heads):  # 2-D copies: rows stay contiguous
+                        chunk_view = host[layer, plane, :, head]  # [tokens, head_size]
+                        cache_view = cache[layer][head, start:end]
+                        if to_host:
+                            chunk_view.copy_(cache_view)
+                        else:
+                            cache_view.copy_(chunk_view)
 
     def _native_shape(self, num_tokens: int) -> tuple[int, ...]:
         return (2, self.num_kv_heads, num_tokens, self.head_size)

@@ -106,22 +106,23 @@ class ArenaPool:
 def pack(args: Sequence[BytesLike | str | int]) -> list[BytesLike]:
     """The RESP encoding of one command, as buffers to send; big values are not copied."""
     out: list[BytesLike] = []
-    head = bytearray(b"*%d\r\n" % len(args))
+    small: list[bytes] = [b"*%d\r\n" % len(args)]
     for arg in args:
         if isinstance(arg, str):
             arg = arg.encode()
         elif isinstance(arg, int):
             arg = b"%d" % arg
+        if isinstance(arg, bytes) and len(arg) < _COALESCE:
+            small.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+            continue
         view = memoryview(arg).cast("B")
-        head += b"$%d\r\n" % len(view)
+        small.append(b"$%d\r\n" % len(view))
         if len(view) < _COALESCE:
-            head += view
-            head += _CRLF
-        else:
-            out.append(head)
-            out.append(view)
-            head = bytearray(_CRLF)
-    out.append(head)
+            small += (view.tobytes(), _CRLF)
+            continue
+        out += (b"".join(small), view)
+        small = [_CRLF]
+    out.append(b"".join(small))
     return out
 
 
@@ -260,20 +261,37 @@ class BulkPipeline:
 
     @staticmethod
     def _send(sock: socket.socket, commands: Sequence[Sequence[Any]]) -> None:
-        pending = bytearray()
+        pending: list[bytes] = []
+        size = 0
         for args in commands:
-            for piece in pack(args):
-                if isinstance(piece, bytearray) and len(piece) < _COALESCE:
-                    pending += piece
+            small = _pack_small(args)
+            pieces = [small] if small is not None else pack(args)
+            for piece in pieces:
+                if isinstance(piece, bytes) and len(piece) < _COALESCE:
+                    pending.append(piece)
+                    size += len(piece)
                     continue
                 if pending:
-                    sock.sendall(pending)
-                    pending = bytearray()
+                    sock.sendall(b"".join(pending))
+                    pending, size = [], 0
                 sock.sendall(piece)
-            if len(pending) >= _COALESCE:
-                sock.sendall(pending)
-                pending = bytearray()
+            if size >= _COALESCE:
+                sock.sendall(b"".join(pending))
+                pending, size = [], 0
         if pending:
-            sock.sendall(pending)
+            sock.sendall(b"".join(pending))
 
 
+def _pack_small(args: Sequence[Any]) -> bytes | None:
+    """One command of str keys and small ``bytes``/``int`` arguments as one ``bytes``; None
+    when an argument needs `pack` (a buffer, or a value that is sent without copying)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, int):
+            arg = b"%d" % arg
+        elif not isinstance(arg, bytes) or len(arg) >= _COALESCE:
+            return None
+        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(parts)

@@ -1,0 +1,1 @@
+"""Throughput and latency runs that print figures (not tests); `python -m benchmarks.run`."""

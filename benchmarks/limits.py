@@ -1,0 +1,108 @@
+"""The limits the engine is measured against, on the same bytes: a plain client socket,
+`redis-benchmark`, and memcpy into a preallocated buffer."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from collections.abc import Sequence
+
+import torch
+
+from benchmarks.timing import median_seconds
+
+
+def split(raw: memoryview, part: int) -> list[memoryview]:
+    return [raw[i:i + part] for i in range(0, len(raw), part)]
+
+
+class PlainSocket:
+    """The fastest client this machine allows in Python: pipelined SET/GET on one socket,
+    values sent straight from memory, replies received with ``recv_into`` into reused buffers.
+    No checks, no headers: what is left is Redis, the kernel and the copies they need."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.line = bytearray(64)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def set_many(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> None:
+        for key, value in zip(keys, values, strict=True):
+            head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(value))
+            self.sock.sendall(head)
+            self.sock.sendall(value)
+            self.sock.sendall(b"\r\n")
+        self._read_exact(5 * len(keys), self.line if len(keys) * 5 <= 64 else None)
+
+    def get_many(self, keys: Sequence[bytes], into: Sequence[memoryview]) -> None:
+        self.sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys))
+        for dest in into:
+            head = f"${len(dest)}\r\n".encode()
+            self._read_exact(len(head))
+            self._read_into(dest)
+            self._read_exact(2)
+
+    def _read_exact(self, n: int, buf: bytearray | None = None) -> None:
+        view = memoryview(buf if buf is not None and len(buf) >= n else bytearray(n))[:n]
+        self._read_into(view)
+
+    def _read_into(self, view: memoryview) -> None:
+        pos = 0
+        while pos < len(view):
+            got = self.sock.recv_into(view[pos:])
+            if not got:
+                raise ConnectionError("closed")
+            pos += got
+
+
+def plain_socket(
+    port: int, chunks: Sequence[torch.Tensor], part: int, reps: int
+) -> tuple[float, float]:
+    """Seconds (median) to SET and to GET every chunk's bytes as values of ``part`` bytes."""
+    values = [v for c in chunks for v in split(c.view(torch.uint8).reshape(-1).numpy().data, part)]
+    keys = [b"plain:%d" % i for i in range(len(values))]
+    dests = [memoryview(bytearray(len(v))) for v in values]
+    conn = PlainSocket(port)
+    try:
+        t_set = median_seconds(lambda: conn.set_many(keys, values), reps)
+        t_get = median_seconds(lambda: conn.get_many(keys, dests), reps)
+        assert all(bytes(d[:64]) == bytes(v[:64]) for d, v in zip(dests, values, strict=True))
+        conn.sock.sendall(b"*%d\r\n$6\r\nUNLINK\r\n" % (len(keys) + 1)
+                          + b"".join(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys))
+        conn._read_exact(len(b":%d\r\n" % len(keys)))
+    finally:
+        conn.close()
+    return t_set, t_get
+
+
+def redis_benchmark(
+    port: int, value_bytes: int, total_bytes: int, pipeline: int
+) -> dict[str, float]:
+    """GB/s of `redis-benchmark -t set,get -d value_bytes -P pipeline -c 1`; {} if not installed."""
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        return {}
+    requests = max(pipeline * 2, total_bytes // value_bytes)
+    out = subprocess.run(
+        [binary, "-p", str(port), "-t", "set,get", "-d", str(value_bytes), "-P", str(pipeline),
+         "-c", "1", "-n", str(requests), "--csv"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    rates = {}
+    for line in out.splitlines():
+        cells = [c.strip('"') for c in line.split(",")]
+        if cells and cells[0] in ("SET", "GET"):
+            rates[cells[0]] = float(cells[1]) * value_bytes / 1e9
+    return rates
+
+
+def memcpy(chunk: torch.Tensor, reps: int) -> tuple[float, float]:
+    """Seconds (median) to copy one chunk into a reused buffer, and into a fresh one."""
+    dest = torch.empty_like(chunk)
+    reused = median_seconds(lambda: dest.copy_(chunk), reps)
+    fresh = median_seconds(lambda: torch.empty_like(chunk).copy_(chunk), reps)
+    return reused, fresh

@@ -1,0 +1,130 @@
+"""docs/benchmarks.md from one run: the tables, the targets checked on this run's ratios, the
+command and the machine. The prose reading lives in `reading.md` next to this file and is
+copied in as it is (it explains; the verdicts above it are computed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.timing import Results
+
+CONSTANT_MIB = 128  # the "small constant" of the RSS target: interpreter threads, arenas, slack
+
+
+def _verdict(ok: bool) -> str:
+    return "**holds**" if ok else "**does not hold**"
+
+
+def targets(res: Results, sizes: Any, codecs: Sequence[str]) -> list[str]:
+    g = res.get
+    lines = []
+    sock_set, sock_get = g("limits", "plain socket SET"), g("limits", "plain socket GET")
+    lmc_put, lmc_get = g("peers", "LMCache pattern put"), g("peers", "LMCache pattern get")
+    for codec in codecs:
+        e, t = f"engine {codec}", f"tier {codec}"
+        store, get = g(e, "store, synchronous"), g(e, "retrieve, Redis hit (local off)")
+        tput, tget = g(t, "RedisTier.put"), g(t, "RedisTier.get")
+        lines.append(
+            f"- `{codec}`: engine store {store / sock_set:.2f}x and retrieve "
+            f"{get / sock_get:.2f}x the plain socket (RedisTier alone: put {tput / sock_set:.2f}x,"
+            f" get {tget / sock_get:.2f}x); target >= 0.8x: store "
+            f"{_verdict(store >= 0.8 * sock_set)}, retrieve {_verdict(get >= 0.8 * sock_get)}. "
+            f"Against LMCache's pattern: store {store / lmc_put:.1f}x, retrieve "
+            f"{get / lmc_get:.1f}x; target >= 3x: store {_verdict(store >= 3 * lmc_put)}, "
+            f"retrieve {_verdict(get >= 3 * lmc_get)}."
+        )
+    for codec in codecs:
+        r = g(f"engine {codec}", "store return / synchronous store")
+        lines.append(f"- `{codec}`: `store` returns in {r * 100:.1f}% of the synchronous store's "
+                     f"time; target < 10%: {_verdict(r < 0.1)}.")
+    n = sizes.lookup_chunks
+    hit = g("lookup", f"lookup {n} chunks, all hit")
+    miss = g("lookup", f"lookup {n} chunks, all miss")
+    lines.append(f"- lookup of {n} chunks (one round trip): {hit:.2f} ms all hit, {miss:.2f} ms "
+                 f"all miss; target < 5 ms: {_verdict(max(hit, miss) < 5)}.")
+    tokens = n * 256
+    h = g("lookup", f"hash {tokens} tokens (tensor)")
+    lines.append(f"- hashing {tokens} tokens: {h:.2f} ms; target < 5 ms: {_verdict(h < 5)}.")
+    for row in res.rows:
+        if row.section == "memory":
+            bound = (sizes.rss_local_mib + sizes.rss_queue_mib)
+            lines.append(
+                f"- {row.name}: +{row.value:.0f} MiB against local tier + queue = {bound} MiB "
+                f"(+ {CONSTANT_MIB} MiB constant): {_verdict(row.value <= bound + CONSTANT_MIB)}."
+            )
+    raw_get = g("engine raw", "retrieve, Redis hit (local off)")
+    raw_store = g("engine raw", "store until in Redis (write-behind)")
+    best, best_mem = "raw", g("engine raw", "Redis memory / raw KV")
+    for codec in codecs:
+        mem = g(f"engine {codec}", "Redis memory / raw KV")
+        speed = min(g(f"engine {codec}", "retrieve, Redis hit (local off)") / raw_get,
+                    g(f"engine {codec}", "store until in Redis (write-behind)") / raw_store)
+        lines.append(f"- `{codec}`: Redis holds {mem:.3f} bytes per raw KV byte; end-to-end "
+                     f"speed {speed:.2f}x raw (the lower of store and retrieve).")
+        if speed >= 0.7 and mem < best_mem:
+            best, best_mem = codec, mem
+    lines.append(f"- the codec that saves the most Redis memory at >= 0.7x raw's end-to-end "
+                 f"speed on this run: `{best}`.")
+    return lines
+
+
+def _table(res: Results, sections: Sequence[str]) -> list[str]:
+    out = ["| section | row | value | unit | note |", "|---|---|---:|---|---|"]
+    for row in res.rows:
+        if row.section in sections:
+            out.append(f"| {row.section} | {row.name} | {row.cell()} | {row.unit} | {row.note} |")
+    return out
+
+
+def render(res: Results, sizes: Any, command: str, machine: dict[str, str], elapsed: float,
+           codecs: Sequence[str]) -> str:
+    shape = sizes.shape
+    sections = list(dict.fromkeys(r.section for r in res.rows if r.section != "codecs"))
+    codec_rows = [r for r in res.rows if r.section == "codecs"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Produced by one run of",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"in {elapsed:.0f} s, against a private `redis-server` the run started (no persistence). "
+        f"Throughput rows move the same {sizes.chunks} chunks of {shape.name} KV "
+        f"({shape.layers} layers, {shape.kv_heads} KV heads, head {shape.head}, "
+        f"{str(shape.dtype)[6:]}: {shape.chunk_bytes / 2**20:.2f} MiB per 256-token chunk, "
+        f"{sizes.chunks * shape.chunk_bytes / 2**20:.0f} MiB in all; normal data, std 1). "
+        f"Each figure is the median of {sizes.reps} repetitions after one warm-up; GB/s are "
+        "10^9 bytes of raw KV per second. Ratios compare figures of this run only.",
+        "",
+        "## Machine",
+        "",
+        *[f"- {k}: {v}" for k, v in machine.items()],
+        "- shared with other work while it ran: absolute figures are noisy, ratios less so.",
+        "",
+        "## Targets on this run",
+        "",
+        *targets(res, sizes, codecs),
+        "",
+        "## Results",
+        "",
+        *_table(res, sections),
+        "",
+        "## Codecs per dtype and data",
+        "",
+        "Ratio = raw bytes / stored bytes (headers included). Encode and decode on all cores, "
+        "one chunk cut into parts of the default part size.",
+        "",
+        "| data | codec | ratio | speed |",
+        "|---|---|---:|---|",
+        *[f"| {r.name.split(' | ')[0]} | {r.name.split(' | ')[1]} | {r.value:.3f} | {r.note} |"
+          for r in codec_rows],
+        "",
+    ]
+    reading = Path(__file__).with_name("reading.md")
+    if reading.exists():
+        lines += ["## Reading", "", reading.read_text().strip(), ""]
+    return "\n".join(lines)

@@ -1,0 +1,226 @@
+"""The benchmark suite: one command, one private redis-server, the same data for every row.
+
+    .venv/bin/python -m benchmarks.run            # full run, writes docs/benchmarks.md
+    .venv/bin/python -m benchmarks.run --quick    # smaller sizes, fewer repetitions
+    .venv/bin/python -m benchmarks.run --tiny --out /tmp/b.md   # seconds; what the smoke test runs
+
+Every figure is a median of several repetitions; every ratio is computed from figures of the
+same run (the machine is shared and noisy: absolute figures do not compare across runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import codec_rows, engine_rows, limits, peers, report
+from benchmarks.data import CHUNK, LLAMA8B, TINY, Shape, chunk_tensor, model_kv, normal_dense
+from benchmarks.server import LocalRedis
+from benchmarks.timing import Results
+from lmcache_remote.serde import DEFAULT_PART_SIZE
+
+CODECS = ("raw", "lz4", "lz4-planes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """How big each part of the run is."""
+
+    name: str
+    shape: Shape
+    chunks: int  # chunks moved by the throughput rows
+    reps: int
+    codec_mib: int
+    rss_total_mib: int
+    rss_local_mib: int
+    rss_queue_mib: int
+    rss_shape: str
+    ttft_prefix: int
+    lookup_chunks: int
+    model_tokens: int
+
+
+MODES = {
+    "full": Sizes("full", LLAMA8B, 16, 5, 16, 2048, 512, 256, "llama", 4096, 512, 2048),
+    "quick": Sizes("quick", LLAMA8B, 4, 3, 8, 512, 128, 64, "llama", 4096, 512, 1024),
+    "tiny": Sizes("tiny", TINY, 4, 1, 1, 16, 8, 4, "tiny", 256, 16, 256),
+}
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def run(sizes: Sizes, out: Path | None, command: str) -> Results:
+    res = Results()
+    shape = sizes.shape
+    num_tokens = sizes.chunks * CHUNK
+    kv = normal_dense(shape, num_tokens)
+    chunks = [chunk_tensor(kv, shape, i) for i in range(sizes.chunks)]
+    nbytes = sizes.chunks * shape.chunk_bytes
+    reps = sizes.reps
+    started = time.time()
+    with LocalRedis() as server:
+        print(f"redis-server {server.version()} on port {server.port}; {sizes.chunks} chunks of "
+              f"{shape.chunk_bytes / 2**20:.2f} MiB ({shape.name})", flush=True)
+        _limits(res, server, chunks, nbytes, reps)
+        _peers(res, server, chunks, nbytes, reps)
+        for codec in CODECS:
+            _engine(res, server, shape, kv, chunks, num_tokens, nbytes, codec, reps)
+        _codecs(res, sizes)
+        lk = engine_rows.lookup_rows(server, TINY, reps, sizes.lookup_chunks * CHUNK)
+        res.add("lookup", f"lookup {sizes.lookup_chunks} chunks, all hit", lk["hit"] * 1e3, "ms")
+        res.add("lookup", f"lookup {sizes.lookup_chunks} chunks, all miss", lk["miss"] * 1e3, "ms")
+        hs = engine_rows.hashing_rows(reps, sizes.lookup_chunks * CHUNK)
+        n = sizes.lookup_chunks * CHUNK
+        res.add("lookup", f"hash {n} tokens (tensor)", hs["tensor"] * 1e3, "ms")
+        res.add("lookup", f"hash {n} tokens (list of ints)", hs["list"] * 1e3, "ms")
+        _rss(res, server, sizes)
+        _ttft(res, server, sizes)
+    elapsed = time.time() - started
+    print(f"done in {elapsed:.0f} s", flush=True)
+    if out is not None:
+        out.write_text(report.render(res, sizes, command, machine(), elapsed, CODECS))
+        print(f"wrote {out}")
+    return res
+
+
+def _limits(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes: int,
+            reps: int) -> None:
+    part = min(DEFAULT_PART_SIZE, chunks[0].nbytes)
+    reused, fresh = limits.memcpy(chunks[0], reps * 2)
+    res.add("limits", "memcpy into a reused buffer", gbps(chunks[0].nbytes, reused), "GB/s")
+    res.add("limits", "memcpy into a fresh buffer", gbps(chunks[0].nbytes, fresh), "GB/s")
+    t_set, t_get = limits.plain_socket(server.port, chunks, part, reps)
+    note = f"values of {part} B, pipelined"
+    res.add("limits", "plain socket SET", gbps(nbytes, t_set), "GB/s", note)
+    res.add("limits", "plain socket GET", gbps(nbytes, t_get), "GB/s", note)
+    rb = limits.redis_benchmark(server.port, part, nbytes, pipeline=8)
+    for op in ("SET", "GET"):
+        if op in rb:
+            res.add("limits", f"redis-benchmark {op}", rb[op], "GB/s", f"-d {part} -P 8 -c 1")
+    server.clear()
+
+
+def _peers(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes: int,
+           reps: int) -> None:
+    t_put, t_get = peers.redis_py_whole(server.url, chunks, reps)
+    res.add("peers", "redis-py SET whole chunks", gbps(nbytes, t_put), "GB/s")
+    res.add("peers", "redis-py GET whole chunks", gbps(nbytes, t_get), "GB/s")
+    t_put, t_get = peers.lmcache_pattern(server.url, chunks, reps)
+    res.add("peers", "LMCache pattern put", gbps(nbytes, t_put), "GB/s", "2 keys, 2 round trips")
+    res.add("peers", "LMCache pattern get", gbps(nbytes, t_get), "GB/s", "2 keys, 2 round trips")
+    server.clear()
+
+
+def _engine(res: Results, server: LocalRedis, shape: Shape, kv: object,
+            chunks: list[torch.Tensor], num_tokens: int, nbytes: int, codec: str,
+            reps: int) -> None:
+    t_put, t_get, memory = engine_rows.tier_rows(server, shape, chunks, codec, reps)
+    res.add(f"tier {codec}", "RedisTier.put", gbps(nbytes, t_put), "GB/s")
+    res.add(f"tier {codec}", "RedisTier.get", gbps(nbytes, t_get), "GB/s")
+    e = engine_rows.engine_rows(server, shape, kv, num_tokens, codec, reps)  # type: ignore[arg-type]
+    sec = f"engine {codec}"
+    res.add(sec, "store, synchronous", gbps(nbytes, e["store_sync"]), "GB/s")
+    res.add(sec, "store returns (write-behind)", e["store_async_return"] * 1e3, "ms")
+    res.add(sec, "store return / synchronous store",
+            e["store_async_return"] / e["store_sync"], "ratio")
+    res.add(sec, "store until in Redis (write-behind)", gbps(nbytes, e["store_async_landed"]),
+            "GB/s")
+    res.add(sec, "retrieve, Redis hit (local off)", gbps(nbytes, e["retrieve_redis"]), "GB/s")
+    res.add(sec, "retrieve, local-tier hit", gbps(nbytes, e["retrieve_local"]), "GB/s")
+    res.add(sec, "Redis memory / raw KV", memory, "ratio", "used_memory growth per KV byte")
+
+
+def _codecs(res: Results, sizes: Sizes) -> None:
+    nbytes = sizes.codec_mib * 2**20
+    cases: list[tuple[str, torch.Tensor]] = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        name = str(dtype)[6:]
+        for scale in (0.05, 1.0, 20.0):
+            data = codec_rows.synthetic(dtype, scale, nbytes)
+            cases.append((f"{name} normal std {scale:g}", data))
+        cases.append((f"{name} tiny-model KV", model_kv(sizes.model_tokens, dtype)))
+    for label, tensor in cases:
+        for codec in CODECS:
+            r = codec_rows.codec_case(codec, tensor, max(1, sizes.reps // 2 + 1))
+            res.add("codecs", f"{label} | {codec}", r["ratio"], "ratio",
+                    f"encode {r['encode']:.2f} GB/s, decode {r['decode']:.2f} GB/s")
+
+
+def _rss(res: Results, server: LocalRedis, sizes: Sizes) -> None:
+    for codec in ("raw", "lz4"):
+        cmd = [sys.executable, "-m", "benchmarks.rss", server.url, str(sizes.rss_total_mib),
+               str(sizes.rss_local_mib), str(sizes.rss_queue_mib), codec, sizes.rss_shape]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600,
+                             cwd=Path(__file__).resolve().parent.parent)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        bound = r["local_bytes"] + r["queue_bytes"]
+        res.add("memory", f"peak RSS rise storing {sizes.rss_total_mib} MiB ({codec})",
+                r["rise"] / 2**20, "MiB",
+                f"local {sizes.rss_local_mib} MiB + queue {sizes.rss_queue_mib} MiB = "
+                f"{bound / 2**20:.0f} MiB; {r['dropped']} chunks dropped (queue full)")
+        server.clear()
+
+
+def _ttft(res: Results, server: LocalRedis, sizes: Sizes) -> None:
+    from benchmarks.ttft import ttft_rows
+
+    t = ttft_rows(server.url, sizes.ttft_prefix, max(3, sizes.reps))
+    for name, label in (("recompute", "recompute"), ("local_hit", "local-tier hit"),
+                        ("redis_hit", "Redis hit")):
+        res.add("ttft", f"TTFT {sizes.ttft_prefix}-token prefix, {label}", t[name] * 1e3, "ms")
+    server.clear()
+
+
+def machine() -> dict[str, str]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import redis
+
+    server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout
+    return {
+        "cpu": f"{cpu}, {os.cpu_count()} cores visible", "memory": f"{mem:.0f} GiB",
+        "os": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "redis-py": redis.__version__,
+        "redis-server": server.split()[2] if server else "?",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    mode.add_argument("--tiny", action="store_true", help="seconds; for the smoke test")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="markdown report (default: docs/benchmarks.md for a full run, "
+                             "none otherwise)")
+    args = parser.parse_args(argv)
+    name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    out = args.out
+    if out is None and name == "full":
+        out = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+    command = ".venv/bin/python -m benchmarks.run" + (f" --{name}" if name != "full" else "")
+    torch.set_num_threads(os.cpu_count() or 1)
+    run(MODES[name], out, command)
+
+
+if __name__ == "__main__":
+    main()

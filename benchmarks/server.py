@@ -1,0 +1,88 @@
+"""A private redis-server on a free loopback port, started and stopped by the benchmark run."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from types import TracebackType
+
+import redis
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalRedis:
+    """`redis-server` with no persistence, no memory limit; ``url``, ``port``, ``client()``."""
+
+    def __init__(self, binary: str = "redis-server") -> None:
+        path = shutil.which(binary)
+        if path is None:
+            raise RuntimeError(f"{binary} is not on PATH")
+        self.binary = path
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.mkdtemp(prefix="lmcr-bench-")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> LocalRedis:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]
+        log = open(f"{self._dir}/server.log", "wb")  # noqa: SIM115 - lives as long as the server
+        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if self.client().ping():
+                    return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start; see {self._dir}/server.log")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
+
+    def version(self) -> str:
+        return str(self.client().info("server")["redis_version"])
+
+    def used_memory(self) -> int:
+        return int(self.client().info("memory")["used_memory"])
+
+    def clear(self) -> None:
+        """Empties the benchmark's own server (SCAN + UNLINK, as the library would)."""
+        client = self.client()
+        batch = []
+        for key in client.scan_iter(count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                client.unlink(*batch)
+                batch = []
+        if batch:
+            client.unlink(*batch)
+        client.close()
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,28 @@
+"""The benchmark suite runs end to end in its tiniest mode and writes its report (no timing
+asserts: figures from a loaded test machine mean nothing; the full run is `benchmarks/`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_benchmark_suite_runs_in_tiny_mode(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--tiny", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "python -m benchmarks.run --tiny" in text
+    for heading in ("## Machine", "## Targets on this run", "## Results", "## Codecs per dtype"):
+        assert heading in text
+    for row in ("plain socket GET", "redis-benchmark SET", "LMCache pattern get",
+                "retrieve, Redis hit (local off)", "store returns (write-behind)",
+                "lookup 16 chunks, all hit", "peak RSS rise", "TTFT 256-token prefix, Redis hit",
+                "bfloat16 tiny-model KV | lz4-planes"):
+        assert row in text, row

@@ -1,0 +1,154 @@
+"""The bulk RESP executor (storage/wire.py) against real servers: replies of every kind, error
+replies per command, values received in place, and connections that time out or break."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+from servers import RedisServer
+
+from lmcache_remote.config import CacheConfig
+from lmcache_remote.storage.client import client_kwargs
+from lmcache_remote.storage.wire import Arena, ArenaPool, BulkPipeline, pack, supports
+
+
+def _client(url: str, timeout: float = 2.0) -> redis.Redis:
+    cfg = CacheConfig(remote_url=url, remote_timeout=timeout)
+    return redis.Redis.from_url(url, **client_kwargs(cfg))
+
+
+def test_pack_sends_big_values_without_copying() -> None:
+    big = memoryview(bytearray(200_000))
+    pieces = pack(["SET", "k", big])
+    assert any(p is big or (isinstance(p, memoryview) and p.obj is big.obj) for p in pieces)
+    assert b"".join(bytes(p) for p in pieces) == (
+        b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$200000\r\n" + bytes(200_000) + b"\r\n"
+    )
+
+
+def test_replies_of_every_kind(redis_url: str, key_prefix: str) -> None:
+    client = _client(redis_url)
+    wire = BulkPipeline(client)
+    k = f"{key_prefix}:a"
+    big = bytes(range(256)) * 1000  # 256 kB: sent as a memoryview, received by recv_into
+    replies = wire.execute([
+        ("SET", k, big), ("GET", k), ("GET", f"{key_prefix}:missing"),
+        ("EXISTS", k, f"{key_prefix}:missing"),
+        ("MSET", f"{key_prefix}:b", b"", f"{key_prefix}:c", b"x"),
+        ("GET", f"{key_prefix}:b"), ("PEXPIRE", k, 60_000),
+    ])
+    assert replies[0] == b"OK"
+    assert bytes(replies[1]) == big  # type: ignore[arg-type]
+    assert replies[2] is None
+    assert replies[3] == 1
+    assert replies[4] == b"OK"
+    assert bytes(replies[5]) == b""  # type: ignore[arg-type]
+    assert replies[6] == 1
+    assert client.get(k) == big
+    client.close()
+
+
+def test_bulk_replies_land_where_the_sink_says(redis_url: str, key_prefix: str) -> None:
+    client = _client(redis_url)
+    client.set(f"{key_prefix}:x", b"abcdefghij")
+    client.set(f"{key_prefix}:y", b"0123")
+    wire = BulkPipeline(client)
+    dest = bytearray(14)
+    view = memoryview(dest)
+
+    def sink(index: int, length: int) -> memoryview | list[memoryview]:
+        return [view[0:3], view[3:10]] if index == 0 else view[10:14]
+
+    replies = wire.execute([("GET", f"{key_prefix}:x"), ("GET", f"{key_prefix}:y")], sink)
+    assert bytes(dest) == b"abcdefghij0123"
+    assert isinstance(replies[0], list) and len(replies[0]) == 2
+    client.close()
+
+
+def test_error_replies_are_raised_after_reading_everything(
+    redis_url: str, key_prefix: str
+) -> None:
+    client = _client(redis_url)
+    client.rpush(f"{key_prefix}:list", b"x")
+    wire = BulkPipeline(client)
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        wire.execute([("GET", f"{key_prefix}:list"), ("SET", f"{key_prefix}:after", b"v")])
+    assert client.get(f"{key_prefix}:after") == b"v"  # the command after the error still ran
+    # the connection went back to the pool in step: the next batch reads its own replies
+    assert wire.execute([("GET", f"{key_prefix}:after")])[0] == b"v"
+    client.close()
+
+
+def test_noperm_and_oom_replies(redis_factory: object, key_prefix: str) -> None:
+    server: RedisServer = redis_factory()  # type: ignore[operator]
+    admin = server.client()
+    admin.acl_setuser("reader", enabled=True, passwords=["+pw"], keys=["*"],
+                      commands=["+get", "+exists", "+ping", "+hello", "+client"])
+    url = f"redis://reader:pw@127.0.0.1:{server.port}/0"
+    wire = BulkPipeline(_client(url))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        wire.execute([("SET", "k", b"v")])
+    assert wire.execute([("GET", "k")]) == [None]
+    admin.config_set("maxmemory", 1)
+    with pytest.raises(redis.ResponseError, match="OOM"):
+        BulkPipeline(admin).execute([("SET", "k", b"v" * 1000)])
+    admin.close()
+
+
+def test_timeout_raises_and_the_connection_is_dropped(private_redis: RedisServer) -> None:
+    client = _client(private_redis.url, timeout=0.3)
+    client.set("k", b"v" * 100_000)
+    wire = BulkPipeline(client)
+    private_redis.pause()
+    try:
+        start = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            wire.execute([("GET", "k")])
+        assert time.monotonic() - start < 3
+    finally:
+        private_redis.resume()
+    pool = client.connection_pool
+    assert all(c._sock is None for c in pool._available_connections)  # type: ignore[attr-defined]
+    assert bytes(wire.execute([("GET", "k")])[0]) == b"v" * 100_000  # type: ignore[arg-type]
+    client.close()
+
+
+def test_connection_lost_mid_reply_raises_connection_error(private_redis: RedisServer) -> None:
+    client = _client(private_redis.url, timeout=5.0)
+    client.set("big", b"z" * 64 * 1024 * 1024)
+    wire = BulkPipeline(client)
+    killer = threading.Timer(0.02, private_redis.kill)
+    killer.start()
+    with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
+        for _ in range(100):
+            wire.execute([("GET", "big")] * 4)
+    killer.join()
+    pool = client.connection_pool
+    assert all(c._sock is None for c in pool._available_connections)  # type: ignore[attr-defined]
+    client.close()
+
+
+def test_supports_only_single_node_clients() -> None:
+    assert supports(redis.Redis())
+    assert not supports(object())
+
+
+def test_arena_reuses_its_block() -> None:
+    arena = Arena()
+    arena.reserve(100)
+    a = arena.take(40)
+    b = arena.take(60)
+    a[:] = b"a" * 40
+    b[:] = b"b" * 60
+    assert arena.capacity == 100
+    arena.reset()
+    assert arena.take(100).obj is a.obj  # same memory again, no new allocation
+    big = arena.take(10)  # past the block: a new one, old slices stay valid
+    assert big.obj is not a.obj and bytes(b) == b"b" * 60
+    pool = ArenaPool(keep=1)
+    first = pool.acquire()
+    pool.release(first)
+    assert pool.acquire() is first
