@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 from lmcache_remote_cli.context import LmcrGroup
+from lmcache_remote_cli.demo import demo
 from lmcache_remote_cli.evict import evict
 from lmcache_remote_cli.export import export
 from lmcache_remote_cli.inspect import inspect
@@ -22,5 +23,5 @@ def cli() -> None:
     """Inspect, warm, export and evict the lmcache-remote KV cache in Redis."""
 
 
-for _command in (ping, stats, ls, inspect, evict, export, import_, warm):
+for _command in (ping, stats, ls, inspect, evict, export, import_, warm, demo):
     cli.add_command(_command)

