@@ -6,16 +6,22 @@ every master and come back bit-exact (multi-part chunks too: their parts share a
 MOVED/ASK after a slot moves are followed; a killed master makes its chunks misses (the prefix
 is cut at the first one) while the engine keeps serving, without raising and within bounded
 time, and hits come back once it returns; a hung master costs one `remote_timeout`, not more;
-the CLI's stats and evict scan every master.
+the CLI's stats, ls, export, evict and import scan every master; an engine made before its
+(Valkey) cluster is up starts anyway and connects once it is.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
+from lmcache_remote_cli.main import cli
 from redis.cluster import RedisCluster
 
 from lmcache_remote import CacheConfig, CacheEngineKey, PagedKV
@@ -160,6 +166,32 @@ def test_slot_moves_are_followed(cluster: ClusterServers, key_prefix: str) -> No
         assert _keys_on(target, key_prefix)
 
 
+def test_cli_scans_every_master(cluster: ClusterServers, key_prefix: str, tmp_path: Path) -> None:
+    """stats, ls, export, evict and import on a cluster URL see the chunks of every master."""
+    _store_and_check(cluster.url, key_prefix)
+    chunks = TOKENS // CHUNK
+    runner = CliRunner()
+    base = ["--url", cluster.url, "--prefix", key_prefix, "--json"]
+
+    def run(*args: str) -> dict[str, Any]:
+        result = runner.invoke(cli, [*args, *base])
+        assert result.exit_code == 0, result.output
+        doc: dict[str, Any] = json.loads(result.stdout)
+        return doc
+
+    stats = run("stats")
+    assert stats["entries"] == chunks and stats["bytes"] > 0
+    assert run("ls", "--limit", "0")["count"] == chunks
+    snapshot = str(tmp_path / "cluster.lmcr")
+    assert run("export", snapshot)["entries"] == chunks
+    assert run("evict", "--all", "--yes")["deleted"] == chunks
+    assert all(_keys_on(m, key_prefix) == [] for m in cluster.masters)
+    assert run("import", snapshot)["entries"] == chunks
+    assert all(_keys_on(m, key_prefix) for m in cluster.masters)  # back on every master
+    with _engine(cluster.url, key_prefix) as eng:
+        assert eng.lookup(torch.arange(TOKENS)) == TOKENS
+
+
 def test_a_killed_master_makes_its_chunks_misses_and_comes_back(
     cluster: ClusterServers, key_prefix: str
 ) -> None:
@@ -222,10 +254,32 @@ def test_a_hung_master_costs_one_timeout(cluster: ClusterServers, key_prefix: st
         assert eng.lookup(tokens) == TOKENS
 
 
-def test_valkey_cluster_works_the_same(key_prefix: str) -> None:
-    servers = _start(ValkeyServer)
+def test_valkey_cluster_works_the_same_even_when_it_starts_after_the_engine(
+    key_prefix: str,
+) -> None:
+    """An engine made before its cluster exists starts, misses, then connects on its own."""
+    servers = ClusterServers(3, 0, ValkeyServer)
+    tokens = torch.arange(TOKENS)
+    src, slots = _kv(9), kvutil.slots(TOKENS, 10)
     try:
-        _store_and_check(servers.url, key_prefix)
+        with _engine(servers.url, key_prefix) as eng:  # nothing listens on these ports yet
+            started = time.monotonic()
+            assert eng.lookup(tokens) == 0
+            eng.store(tokens, PagedKV(src, slots))
+            assert not bool(eng.retrieve(tokens, PagedKV(_kv(None), slots)).any())
+            assert time.monotonic() - started < 3 * TIMEOUT + 2
+            try:
+                servers.start()
+            except (ServerNotFoundError, ServerStartError) as exc:
+                pytest.fail(f"cannot start a valkey cluster for the tests:\n{exc}")
+            deadline = time.monotonic() + 15
+            while eng.lookup(tokens) < TOKENS and time.monotonic() < deadline:
+                eng.store(tokens, PagedKV(src, slots))
+                time.sleep(0.2)
+            assert eng.lookup(tokens) == TOKENS
+            dst = _kv(None)
+            assert bool(eng.retrieve(tokens, PagedKV(dst, slots)).all())
+            assert torch.equal(_read(dst, slots), _read(src, slots))
         assert all(_keys_on(m, key_prefix) for m in servers.masters)
     finally:
         servers.stop()
