@@ -101,6 +101,7 @@ def _store_and_check(url: str, prefix: str, **overrides: object) -> None:
     src, slots = _kv(1), kvutil.slots(TOKENS, 2)
     with _engine(url, prefix, **overrides) as eng:
         assert isinstance(eng.storage.remote, ClusterRedisTier)
+        assert isinstance(eng.storage.remote.client, RedisCluster)  # connected at start
         assert eng.store(tokens, PagedKV(src, slots)) == TOKENS
         assert eng.lookup(tokens) == TOKENS
         dst = _kv(None)

@@ -18,8 +18,10 @@ It keeps RedisTier's layout, checks and windows, and replaces the four batch ope
   cluster client, which follows it; a `MOVED` or a node failure also schedules a slot-table
   refresh in the background (at most one per second), so the next batch is grouped by the new
   topology (resharding, a replica promoted after a fail-over).
-- The cluster client is built lazily: a cluster unreachable at start-up makes misses until it
-  answers, like a single server that is down, instead of failing the engine's start.
+- The cluster client is built when the tier is, or, if the cluster does not answer then, on
+  first use: a cluster unreachable at start-up makes misses until it answers, like a single
+  server that is down, instead of failing the engine's start. Until it is built, `client` is a
+  placeholder with only `close()`.
 
 `base.gate` stays the tier-wide health flag the manager reports: healthy after a batch with no
 node failure, unhealthy after one with any.
@@ -109,6 +111,11 @@ class ClusterRedisTier(RedisTier):
             config.unhealthy_backoff), "redis cluster")
         self._refresh_at = 0.0
         self._refreshing = False
+        if client is None:
+            try:  # at once when the cluster answers, so `client` is usable from the start
+                self.cluster()
+            except BackendError as exc:
+                logger.warning("redis cluster not reachable yet, will retry on use: %s", exc)
 
     # -- the client ---------------------------------------------------------------------------
 
