@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 import redis
+import torch
+from click.testing import CliRunner
+from lmcache_remote_cli.main import cli
 from redis.sentinel import SentinelConnectionPool
 
-from lmcache_remote import CacheConfig, ConfigError, load_config
+from lmcache_remote import CacheConfig, ConfigError, PagedKV, load_config
 from lmcache_remote.config import mask_url
 from lmcache_remote.storage.client import make_client
 from lmcache_remote.urls import parse_remote_url
+from tests import kvutil
+from tests.servers import free_port
 
 
 def test_single_server_forms_stay_single() -> None:
@@ -97,3 +102,23 @@ def test_sentinel_url_gives_a_master_client_with_bounded_timeouts() -> None:
             client.ping()
     finally:
         client.close()
+
+
+def test_unreachable_sentinels_give_a_short_error_in_the_cli() -> None:
+    url = f"redis+sentinel://:s3cret@127.0.0.1:{free_port()}/svc"
+    result = CliRunner().invoke(cli, ["stats", "--url", url, "--json"])
+    assert result.exit_code == 3
+    assert result.output.count("\n") == 1 and "s3cret" not in result.output
+    assert "No master found for 'svc'" in result.output
+    assert len(result.output) < 200  # not redis-py's repr of every sentinel client
+
+
+def test_engine_on_unreachable_sentinels_misses_without_raising(key_prefix: str) -> None:
+    url = f"redis+sentinel://127.0.0.1:{free_port()}/svc"
+    with kvutil.engine(url, key_prefix, chunk_size=64, store_async=False, local_cpu=False) as eng:
+        tokens = torch.arange(256)
+        caches, slots = kvutil.paged_cache("kv_split", torch.bfloat16, 1), kvutil.slots(256, 1)
+        eng.store(tokens, PagedKV(caches, slots))
+        assert eng.lookup(tokens) == 0
+        assert not bool(eng.retrieve(tokens, PagedKV(caches, slots)).any())
+        assert eng.stats()["remote"]["errors"] > 0

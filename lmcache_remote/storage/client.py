@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, NoPermissionError, TryAgainError
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.errors import (
@@ -172,6 +172,8 @@ def translate(exc: BaseException, where: str = "redis") -> BackendError:
     text = mask_url(str(exc))
     if isinstance(exc, BackendError):
         return exc
+    if isinstance(exc, MasterNotFoundError):  # redis-py appends every sentinel client's repr
+        return BackendUnavailableError(f"{where}: unavailable ({text.split(' : ')[0]})")
     if isinstance(exc, (redis.TimeoutError, TimeoutError)):
         return BackendTimeoutError(f"{where}: timed out ({text})")
     if isinstance(exc, (redis.AuthenticationError, NoPermissionError)) or (
