@@ -2,15 +2,18 @@
 alone makes the engine use the master Sentinel names; after a planned fail-over
 (`SENTINEL FAILOVER`) and after the master is killed and the replica promoted, stores and
 retrieves go on against the new master, and while there is no master the engine misses
-without raising."""
+without raising. The CLI works on the same URL."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from click.testing import CliRunner
+from lmcache_remote_cli.main import cli
 from redis.sentinel import SentinelConnectionPool
 
 from lmcache_remote import CacheEngine, PagedKV
@@ -121,3 +124,9 @@ def test_engine_follows_the_master_after_fail_overs(
         assert eng.stats()["remote"]["errors"] > 0  # the gap was counted, not raised
         # what had reached the promoted server before the crash is still served
         assert eng.lookup(torch.arange(TOKENS)) == TOKENS
+
+    # the CLI on the same URL sees what the current master holds
+    result = CliRunner().invoke(cli, ["stats", "--url", setup.url, "--prefix", key_prefix,
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["entries"] == _chunks_on(setup.master, key_prefix) > 0
