@@ -20,13 +20,15 @@ CHUNK = 256
 CUT_POINTS = [0, 1, 5, 40, 100, 1000, 16_000, 16_500, 33_000, 40_000, 65_000]
 
 
+@pytest.mark.parametrize("serde", ["raw", "lz4"])  # raw parts are received into the chunk
 @pytest.mark.parametrize("part_size", [None, 4096], ids=["one_value", "multipart"])
 def test_reply_cut_mid_value_is_never_used(private_redis: RedisServer, key_prefix: str,
-                                          part_size: int | None) -> None:
+                                          part_size: int | None, serde: str) -> None:
     rng = random.Random(21)
     toks = [rng.randrange(50_000) for _ in range(4 * CHUNK)]
-    extra = {} if part_size is None else {"remote_part_size": part_size}
-    with engine(private_redis.url, key_prefix, store_async=False, serde="raw", **extra) as w:
+    extra = {"serde": serde} if part_size is None else {"remote_part_size": part_size,
+                                                        "serde": serde}
+    with engine(private_redis.url, key_prefix, store_async=False, **extra) as w:
         assert w.store(toks, det_kv(toks)) == len(toks)
     client = private_redis.client()
     keys_before = sorted(client.scan_iter(match=f"{key_prefix}:v1:*"))

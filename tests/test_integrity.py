@@ -288,10 +288,18 @@ def test_mutated_values_under_a_real_key_are_never_served(one_value: Stored,
 # -- a retrieve writes only what it reports ------------------------------------------------------
 
 
+def retrieve_by_layers(e: CacheEngine, toks: list[int], dst: object, mask: torch.Tensor
+                       ) -> torch.Tensor:
+    steps = list(e.retrieve_layer(toks, dst, mask))  # type: ignore[arg-type]
+    assert all(torch.equal(s, steps[0]) for s in steps)  # the hit mask is fixed at step 0
+    return steps[-1]
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["retrieve", "retrieve_layer"])
 @pytest.mark.parametrize("damaged", [None, 0, 1, 2])
 @pytest.mark.parametrize("mask_chunks", [0, 1])
 def test_retrieve_writes_kv_only_for_reported_hits(one_value: Stored, damaged: int | None,
-                                                   mask_chunks: int) -> None:
+                                                   mask_chunks: int, layerwise: bool) -> None:
     toks = one_value.toks + [7] * 100  # a partial tail chunk that is never stored
     if damaged is not None:
         one_value.write(damaged, [flip(one_value.good[damaged][0], 3)])
@@ -299,7 +307,8 @@ def test_retrieve_writes_kv_only_for_reported_hits(one_value: Stored, damaged: i
     mask[:mask_chunks * CHUNK] = False
     dst, read = sentinel_kv(len(toks))
     start = mask_chunks * CHUNK
-    n = check_retrieve(one_value.reader.retrieve(toks, dst, mask), toks, read, start=start)
+    get = retrieve_by_layers if layerwise else CacheEngine.retrieve
+    n = check_retrieve(get(one_value.reader, toks, dst, mask), toks, read, start=start)
     end = N_CHUNKS if damaged is None or damaged < mask_chunks else damaged
     assert n == max(0, end - mask_chunks) * CHUNK
 

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from lmcache_remote.config import CacheConfig, mask_url
-from lmcache_remote.errors import BackendError, BackendPermissionError
+from lmcache_remote.errors import BackendError, BackendPermissionError, BackendUnavailableError
 from lmcache_remote.keys import probe_key
 from lmcache_remote.storage.client import make_client, translate
 
@@ -40,17 +40,21 @@ _PROBE = ("mset", "set", "exists", "get", "pexpire", "unlink")
 
 def check_access(config: CacheConfig) -> None:
     """Raise a `BackendError` subclass unless Redis lets this client use the cache; see above."""
-    client = make_client(config)
     where = "redis"
+    client = None
     try:
         key = probe_key(config.key_prefix, uuid.uuid4().hex)
         try:
+            client = make_client(config)  # a cluster client connects here
             client.ping()
             results = _probe(client, key)
+        except BackendError:
+            raise
         except (redis.RedisError, OSError) as exc:
             raise translate(exc, where) from exc
         except Exception as exc:  # redis-py's cluster errors are no RedisError
-            raise BackendError(f"{where}: {type(exc).__name__}: {mask_url(str(exc))}") from exc
+            raise BackendUnavailableError(
+                f"{where}: {type(exc).__name__}: {mask_url(str(exc))}") from exc
         refused = [(cmd, r) for cmd, r in zip(_PROBE, results, strict=True)
                    if isinstance(r, Exception)]
         if refused:
@@ -60,7 +64,8 @@ def check_access(config: CacheConfig) -> None:
                 else BackendError
             raise cls(f"{where}: key prefix {config.key_prefix!r}: refused {names}: {first}")
     finally:
-        client.close()
+        if client is not None:
+            client.close()
 
 
 def _probe(client: Any, key: str) -> list[Any]:
