@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import redis
 import torch
+from click.testing import CliRunner
 from cliutil import chunk_keys, fill, run, run_json
 from kvutil import engine, metadata, tokens, view
+from lmcache_remote_cli.main import cli
 
 from lmcache_remote.keys import CacheEngineKey
 
@@ -148,6 +151,18 @@ def test_console_script_runs(redis_url: str, key_prefix: str) -> None:
     done = subprocess.run([str(exe), "stats", "--json", "--url", redis_url, "--prefix",
                            key_prefix], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    import json
-
     assert json.loads(done.stdout)["entries"] == 2
+
+
+def test_url_and_prefix_from_config_file_and_environment(redis_url: str, key_prefix: str,
+                                                         tmp_path: Path) -> None:
+    fill(redis_url, key_prefix)
+    cfg = tmp_path / "lmcr.yaml"
+    cfg.write_text(f"remote_url: {redis_url}\nkey_prefix: {key_prefix}\n")
+    assert run_json("stats", "--config", str(cfg))["entries"] == 2
+    env = {"LMCR_REMOTE_URL": redis_url, "LMCR_KEY_PREFIX": key_prefix}
+    result = CliRunner().invoke(cli, ["stats", "--json"], env=env)
+    assert result.exit_code == 0 and json.loads(result.stdout)["entries"] == 2
+    # options win over the environment
+    other = CliRunner().invoke(cli, ["stats", "--json", "--prefix", key_prefix + "none"], env=env)
+    assert json.loads(other.stdout)["entries"] == 0

@@ -37,13 +37,22 @@ def test_observe_keeps_the_total_and_fills_buckets() -> None:
 def test_engine_counts_per_tier(redis_url: str, key_prefix: str) -> None:
     with engine(redis_url, key_prefix, store_async=False) as a:
         _workload(a)
-        local = a.stats()["local"]
+        local, remote = a.stats()["local"], a.stats()["remote"]
+        hists = a.metrics.histograms()
+    assert local["stored_tokens"] == 512 and remote["stored_tokens"] == 512
+    assert local["lookup_hit_tokens"] == 512 and "lookup_hit_tokens" not in remote
     assert local["hit_tokens"] == 512 and local["hit_bytes"] == 2 * 32768
+    assert hists["remote.put_seconds"].count == 1
+    assert hists["remote.contains_seconds"].count == 2  # the store's plan, the lookup's tail
     with engine(redis_url, key_prefix, local_cpu=False) as b:
         _workload(b)
         stats = b.stats()
+        hists = b.metrics.histograms()
+    assert stats["remote"]["lookup_hit_tokens"] == 512
     assert stats["remote"]["hit_tokens"] == 512 and stats["remote"]["hit_chunks"] == 2
     assert stats["remote"]["hit_bytes"] == 2 * 32768
+    assert "stored_tokens" not in stats["remote"]  # everything was there already
+    assert hists["remote.get_seconds"].count == 1
 
 
 def test_prometheus_collector_exports_counters_and_histograms(redis_url: str,
@@ -61,6 +70,7 @@ def test_prometheus_collector_exports_counters_and_histograms(redis_url: str,
     assert "lmcr_tier_written_bytes_total" in text and 'tier="remote"' in text
     assert f'lmcr_engine_lookup_seconds_count{{{labels}}} 1.0' in text
     assert 'lmcr_engine_retrieve_seconds_bucket{' in text and 'le="+Inf"' in text
+    assert 'lmcr_tier_put_seconds_count{' in text and 'tier="remote"' in text
     assert "lookup_seconds_total" not in text  # latency totals are histograms only
     after = generate_latest(registry).decode()
     assert e.engine_id not in after  # a closed engine leaves the exporter

@@ -25,7 +25,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, BackendPermissionError
@@ -39,6 +40,7 @@ from lmcache_remote.storage.local_cpu import LocalCPUTier
 from lmcache_remote.storage.redis_tier import RedisTier
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -130,7 +132,8 @@ class WriteBehindQueue:
 
     def _write(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
         try:
-            self._remote.put(keys, objs)
+            _timed(self._metrics, "remote.put_seconds", self._remote.put, keys, objs)
+            self._metrics.inc("remote.stored_tokens", sum(_num_tokens(o) for o in objs))
         except BackendError as exc:
             self._metrics.inc("remote.dropped_chunks", len(keys))
             note_remote_failure(self._metrics, self._log, "write", exc,
@@ -185,12 +188,20 @@ class StorageManager:
             tail = zip(specs[first_missing:], present[first_missing:], strict=True)
             rest = [s for s, p in tail if not p]
             try:
-                found = iter(self.remote.contains(rest))
+                found = iter(_timed(self.metrics, "remote.contains_seconds",
+                                    self.remote.contains, rest))
             except BackendError as exc:
                 self._remote_failed("lookup", exc)
                 found = iter(())
+            local_present = list(present)
             present[first_missing:] = [p or next(found, False) for p in present[first_missing:]]
-        return next((i for i, p in enumerate(present) if not p), len(specs))
+        else:
+            local_present = present
+        hits = next((i for i, p in enumerate(present) if not p), len(specs))
+        for spec, is_local in zip(specs[:hits], local_present, strict=False):
+            tier = "local" if is_local else "remote"
+            self.metrics.inc(f"{tier}.lookup_hit_tokens", spec.num_tokens)
+        return hits
 
     def fetch(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
         """The leading run of present, valid chunks; the caller releases each."""
@@ -201,7 +212,7 @@ class StorageManager:
         missing = [s for s, o in tail if o is None]
         if missing and self.remote is not None:
             try:
-                remote = self.remote.get(missing)
+                remote = _timed(self.metrics, "remote.get_seconds", self.remote.get, missing)
             except BackendError as exc:
                 self._remote_failed("get", exc)
             if remote and self.local is not None:
@@ -231,7 +242,8 @@ class StorageManager:
         remote_has = [False] * n
         if self.remote is not None and n:
             try:
-                remote_has = self.remote.contains(specs)
+                remote_has = _timed(self.metrics, "remote.contains_seconds",
+                                    self.remote.contains, specs)
                 need_remote = [not p for p in remote_has]
             except BackendError as exc:
                 self.metrics.inc("remote.dropped_chunks", n)
@@ -253,6 +265,7 @@ class StorageManager:
             if picked:
                 stored = self.local.put([k for k, _ in picked], [o for _, o in picked])
                 self.metrics.inc("local.stored_chunks", stored)
+                self.metrics.inc("local.stored_tokens", sum(_num_tokens(o) for _, o in picked))
                 self.metrics.inc("local.stored_bytes", sum(o.nbytes for _, o in picked))
         remote = [(k, o) for k, o, w in zip(keys, objs, to_remote, strict=True) if w]
         if not remote or self.remote is None:
@@ -261,7 +274,8 @@ class StorageManager:
         if self.queue is not None:
             return self.queue.submit(rkeys, robjs)
         try:
-            self.remote.put(rkeys, robjs)
+            _timed(self.metrics, "remote.put_seconds", self.remote.put, rkeys, robjs)
+            self.metrics.inc("remote.stored_tokens", sum(_num_tokens(o) for o in robjs))
         except BackendError as exc:
             self.metrics.inc("remote.dropped_chunks", len(rkeys))
             note_remote_failure(self.metrics, self._log, "write", exc,
@@ -326,6 +340,20 @@ def note_remote_failure(metrics: Metrics, log: RateLimitedLogger, what: str, exc
                   "check the ACL user, see docs/reliability.md", *args)
     else:
         log.warning(what, msg, *args)
+
+
+def _timed(metrics: Metrics, name: str, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, its latency observed in the histogram `name` (failures included)."""
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        metrics.observe(name, time.perf_counter() - start)
+
+
+def _num_tokens(obj: MemoryObj) -> int:
+    """Tokens in a chunk buffer (canonical layout: [layers, planes, tokens, heads, head])."""
+    return int(obj.tensor.shape[2])
 
 
 def _merge_prefix(
