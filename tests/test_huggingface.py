@@ -186,3 +186,15 @@ def test_another_process_hits_from_redis(tmp_path: Path, redis_url: str,
     assert out["model_name"] == "tiny-qwen2"  # the folder name, as this process used
     assert out["hit_tokens"] == 80 and out["remote_hit_chunks"] == 80 // CHUNK
     assert out["max_diff"] <= TOL
+
+
+def test_sliding_window_model_is_refused(key_prefix: str) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    model = Qwen2ForCausalLM(config)
+    with cache_engine(model, None, key_prefix) as engine, pytest.raises(ValueError,
+                                                                         match="full attention"):
+        CachedLM(model, engine)
