@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import redis
 from cliutil import chunk_keys, fill, run, run_json
 from kvutil import tokens
@@ -110,3 +115,28 @@ def test_evict_usage_errors(redis_url: str, key_prefix: str) -> None:
     bad = run(*base, "--older-than", "soon", "--yes")
     assert bad.exit_code == 2 and "duration" in bad.stderr
     assert run(*base, "--cache-salt", "s", "--yes").exit_code == 2   # salt without tokens
+
+
+@pytest.mark.parametrize("answer", ["y", "n"])
+def test_evict_asks_on_a_terminal(redis_url: str, redis_client: redis.Redis, key_prefix: str,
+                                  answer: str) -> None:
+    """With a TTY on stdin and no --yes: show the count, ask, delete only on 'y'."""
+    x_keys, y_keys = _setup(redis_url, redis_client, key_prefix)
+    exe = Path(sys.executable).with_name("lmcache-remote")
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen([str(exe), "evict", "--model", "org/model-x", "--url", redis_url,
+                                 "--prefix", key_prefix], stdin=slave, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        os.write(master, f"{answer}\n".encode())
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "delete 3 entries" in err
+    if answer == "y":
+        assert proc.returncode == 0 and "deleted 3 of 3 entries" in out
+        assert chunk_keys(redis_client, key_prefix) == y_keys
+    else:
+        assert proc.returncode == 2 and "nothing deleted" in err
+        assert chunk_keys(redis_client, key_prefix) == x_keys | y_keys
