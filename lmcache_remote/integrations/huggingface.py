@@ -107,7 +107,8 @@ class Prefill:
 
     `logits` covers positions `hit_tokens..T-1` only (`[batch, T - hit_tokens, vocab]`; the
     last one predicts the next token); `cache` holds all T positions; `stored_tokens[b]` is
-    what `CacheEngine.store` accepted for row b (0 when storing is off).
+    `CacheEngine.store`'s answer for row b: its tokens past `hit_tokens` whose chunks the
+    cache now holds, whole chunks only (0 when storing is off).
     """
 
     logits: torch.Tensor
@@ -119,8 +120,9 @@ class Prefill:
 @dataclasses.dataclass
 class Generation:
     """What `CachedLM.generate` returned: `sequences` (prompt + new tokens, as
-    `model.generate` gives them), `output` (its full return value), the prompt tokens loaded
-    from the cache per row and what was stored per row."""
+    `model.generate` gives them), `output` (its full return value), `hit_tokens` (prompt
+    tokens loaded from the cache, the same for every row) and `stored_tokens` per row (as in
+    `Prefill`)."""
 
     sequences: torch.Tensor
     output: Any
