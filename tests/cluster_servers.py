@@ -7,8 +7,9 @@ Contract:
   yes``, a short ``--cluster-node-timeout`` and ``--cluster-require-full-coverage no`` (a cache
   keeps serving the slots it has while a shard is down), then joins them with ``redis-cli
   --cluster create ... --cluster-replicas R --cluster-yes`` and returns once every node reports
-  ``cluster_state:ok`` and knows every node. ``.url`` is the ``redis+cluster://`` URL over all
-  nodes; ``.masters`` the servers that hold slots (as the create step assigned them).
+  ``cluster_state:ok``, knows every node, and every replica is in sync with its master.
+  ``.url`` is the ``redis+cluster://`` URL over all nodes; ``.masters`` the servers that hold
+  slots (as the create step assigned them).
 - A node's ``kill()``/``restart()`` keep its data directory, so a restarted node comes back on
   the same port with its ``nodes.conf`` (same node id and slots) and an empty data set.
 - ``SentinelSetup(sentinels=3)`` starts a master, one replica (``--replicaof``) and the
@@ -118,13 +119,15 @@ class ClusterServers:
 
     def _ready(self) -> bool:
         for node in self.nodes:
-            with node.client() as client:
-                info = client.execute_command("CLUSTER", "INFO")
-                text = info.decode() if isinstance(info, bytes) else str(info)
+            with node.client(decode_responses=True) as client:
+                text = str(client.execute_command("CLUSTER", "INFO"))
                 if "cluster_state:ok" not in text:
                     return False
                 if f"cluster_known_nodes:{len(self.nodes)}" not in text:
                     return False
+                replication = client.info("replication")
+                if replication["role"] == "slave" and replication.get("master_link_status") != "up":
+                    return False  # a replica still doing its first sync
         return True
 
     @staticmethod

@@ -38,9 +38,9 @@ TOKENS = 2560  # kvutil's paged cache holds 2560 slots: 40 chunks of 64
 TIMEOUT = 1.0
 
 
-def _start(server_cls: type[RedisServer]) -> ClusterServers:
+def _start(server_cls: type[RedisServer], replicas: int = 0) -> ClusterServers:
     try:
-        return ClusterServers(3, 0, server_cls).start()
+        return ClusterServers(3, replicas, server_cls).start()
     except (ServerNotFoundError, ServerStartError) as exc:
         pytest.fail(f"cannot start a {server_cls.default_name} cluster for the tests:\n{exc}")
 
@@ -253,6 +253,34 @@ def test_a_hung_master_costs_one_timeout(cluster: ClusterServers, key_prefix: st
         while eng.lookup(tokens) < TOKENS and time.monotonic() < deadline:
             time.sleep(0.2)
         assert eng.lookup(tokens) == TOKENS
+
+
+def test_a_replica_takes_over_a_killed_master(key_prefix: str) -> None:
+    """Three masters with a replica each: after a master dies, its replica is promoted and the
+    engine, refreshing its slot table, hits the promoted replica's copy of the chunks."""
+    servers = _start(RedisServer, replicas=1)
+    tokens = torch.arange(TOKENS)
+    src, slots = _kv(11), kvutil.slots(TOKENS, 12)
+    try:
+        with _engine(servers.url, key_prefix) as eng:
+            assert eng.store(tokens, PagedKV(src, slots)) == TOKENS
+            for master in servers.masters:  # every chunk reached its master's replica
+                with master.client(socket_timeout=10) as client:
+                    assert client.execute_command("WAIT", 1, 5000) == 1
+            victim = _owner(servers, _chunk_keys(key_prefix, tokens)[0])
+            victim.kill()
+            deadline = time.monotonic() + 30
+            while eng.lookup(tokens) < TOKENS and time.monotonic() < deadline:
+                time.sleep(0.2)  # misses (never raises) until the replica is promoted
+            assert eng.lookup(tokens) == TOKENS
+            dst = _kv(None)
+            assert bool(eng.retrieve(tokens, PagedKV(dst, slots)).all())
+            assert torch.equal(_read(dst, slots), _read(src, slots))
+            more = tokens + 1_000_000  # and new chunks are written to it
+            assert eng.store(more, PagedKV(src, slots)) == TOKENS
+            assert eng.lookup(more) == TOKENS
+    finally:
+        servers.stop()
 
 
 def test_valkey_cluster_works_the_same_even_when_it_starts_after_the_engine(
