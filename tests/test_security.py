@@ -287,13 +287,21 @@ def test_passwords_never_appear_in_logs_errors_stats_or_metrics(
     assert "***" in caplog.text or any("***" in t for t in texts)
 
 
-def test_passwords_never_appear_in_cli_output(acl_server: RedisServer, key_prefix: str) -> None:
+def test_passwords_never_appear_in_cli_output(acl_server: RedisServer, key_prefix: str,
+                                              tmp_path: Path) -> None:
     good = acl_user(acl_server, "cache", f"~{key_prefix}:*", *cache_rules())
+    t = toks(2)
+    with engine(good, key_prefix, store_async=False) as e:
+        e.store(t, det_kv(t))
     port = acl_server.port
     urls = [good, good.replace(PASSWORD, PASSWORD + "x"),
             f"redis://cache:{PASSWORD}@127.0.0.1:{free_port()}/0"]
+    snapshot = str(tmp_path / "snap.lmcr")
+    commands = (["ping"], ["ls"], ["stats"], ["ping", "--json"], ["stats", "-vv"],
+                ["ls", "--json"], ["evict", "--all", "--dry-run"], ["export", snapshot],
+                ["import", snapshot], ["warm", "--from", snapshot])
     for url in urls:
-        for args in (["ping"], ["ls"], ["stats"], ["ping", "--json"], ["stats", "-v"]):
+        for args in commands:
             result = run(*args, "--url", url, "--prefix", key_prefix)
             out = result.stdout + result.stderr
             assert PASSWORD not in out, (args, out)
