@@ -31,7 +31,7 @@ def request(rng: random.Random) -> list[int]:
 
 def main() -> None:
     url, prefix, seed, rounds, threads, local = sys.argv[1:7]
-    faulthandler.dump_traceback_later(80, exit=True)  # a hang shows its stacks, then ends
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang shows its stacks, then ends
     out: dict = {"rounds": 0, "hit_tokens": 0, "slowest": 0.0, "failures": []}
     lock = threading.Lock()
     cfg = {"local_cpu": local == "1", "max_local_cpu_size": 0.002, "remote_timeout": 5.0}
