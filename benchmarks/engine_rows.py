@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,12 +30,10 @@ def _config(url: str | None, codec: str, **overrides: Any) -> CacheConfig:
     return CacheConfig(**base)
 
 
-def tier_rows(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor], codec: str,
-              reps: int) -> tuple[float, float, float]:
-    """Seconds (median) for `RedisTier.put` and `RedisTier.get` of the chunks: the data path
-    through Redis alone (encode, send, receive, check, decode), no KV copies; and the growth
-    of Redis's `used_memory` per raw KV byte when the chunks are written."""
-    pool = MemoryPool(2 * len(chunks) * shape.chunk_bytes + (1 << 20), pin_memory=False)
+def redis_memory(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor], codec: str
+                 ) -> float:
+    """Growth of Redis's `used_memory` per raw KV byte when the tier writes the chunks."""
+    pool = MemoryPool(len(chunks) * shape.chunk_bytes + (1 << 20), pin_memory=False)
     db = TokenDatabase(KeyNamespace(shape.name, 1, 0, str(shape.dtype)[6:]), CHUNK, False)
     specs = db.chunks(list(range(len(chunks) * CHUNK)))
     objs: list[MemoryObj] = []
@@ -44,75 +43,43 @@ def tier_rows(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor], 
         obj.tensor.copy_(chunk)
         objs.append(obj)
     tier = RedisTier(_config(server.url, codec), shape.layout, pool, Metrics())
-    keys = [s.key for s in specs]
-
-    def get() -> None:
-        got = tier.get(specs)
-        assert len(got) == len(specs)
-        for obj in got:
-            obj.release()
-
     try:
-        t_put = median_seconds(lambda: tier.put(keys, objs), reps, setup=lambda: tier.delete(keys))
-        t_get = median_seconds(get, reps)
-        got = tier.get(specs)
-        assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(got, objs, strict=True))
-        for obj in got + objs:
-            obj.release()
-        tier.delete(keys)
+        server.clear()
         before = server.used_memory()
-        tier.put(keys, objs)
-        memory = (server.used_memory() - before) / sum(c.nbytes for c in chunks)
-        tier.delete(keys)
+        tier.put([s.key for s in specs], objs)
+        return (server.used_memory() - before) / sum(c.nbytes for c in chunks)
     finally:
+        server.clear()
         tier.close()
-    return t_put, t_get, memory
+        for obj in objs:
+            obj.release()
 
 
-def engine_rows(server: LocalRedis, shape: Shape, kv: DenseKV, num_tokens: int, codec: str,
-                reps: int) -> dict[str, float]:
-    """Median seconds of: a synchronous store; an asynchronous store until it returns and
-    until `flush` says the data is in Redis; a retrieve from Redis (local tier off); a
+def write_behind_rows(server: LocalRedis, shape: Shape, kv: DenseKV, num_tokens: int,
+                      codec: str, reps: int) -> dict[str, float]:
+    """Median seconds of: the KV copy alone (gather into reused chunk buffers); an
+    asynchronous store until it returns and until `flush` says the data is in Redis; a
     retrieve from the local tier."""
     tokens = list(range(num_tokens))
     dest = empty_dense(shape, num_tokens)
     out: dict[str, float] = {}
     meta = shape.metadata()
-
-    def fresh() -> str:
-        server.clear()
-        return f"s{next(_salts)}"
-
-    with CacheEngine(_config(server.url, codec, store_async=False, local_cpu=False), meta) as e:
-        salt = ""
-
-        def sync_store() -> None:
-            assert e.store(tokens, kv, cache_salt=salt) == num_tokens
-
-        def setup() -> None:
-            nonlocal salt
-            salt = fresh()
-
-        out["store_sync"] = median_seconds(sync_store, reps, setup=setup)
-
-        def retrieve() -> None:
-            assert int(e.retrieve(tokens, dest, cache_salt=salt).sum()) == num_tokens
-
-        out["retrieve_redis"] = median_seconds(retrieve, reps)
-        assert same_kv(kv, dest, shape, num_tokens)
+    ranges = [(i, i + CHUNK) for i in range(0, num_tokens, CHUNK)]
+    bufs = [torch.empty(shape.layout.shape(CHUNK), dtype=shape.dtype) for _ in ranges]
+    out["gather"] = median_seconds(lambda: kv.gather(ranges, bufs), reps)
     with CacheEngine(_config(server.url, codec, local_cpu=False), meta) as e:
         returns, landed = [], []
         for i in range(reps + 1):
-            salt = fresh()
+            server.clear()
             start = time.perf_counter()
-            assert e.store(tokens, kv, cache_salt=salt) == num_tokens
+            assert e.store(tokens, kv, cache_salt=f"a{next(_salts)}") == num_tokens
             t_return = time.perf_counter() - start
             assert e.flush()
             if i:
                 returns.append(t_return)
                 landed.append(time.perf_counter() - start)
-        out["store_async_return"] = sorted(returns)[len(returns) // 2]
-        out["store_async_landed"] = sorted(landed)[len(landed) // 2]
+        out["store_async_return"] = statistics.median(returns)
+        out["store_async_landed"] = statistics.median(landed)
         dropped = e.stats()["remote"].get("dropped_chunks", 0)
         assert dropped == 0, f"{dropped} chunks dropped"
     with CacheEngine(_config(None, codec, local_cpu=True), meta) as e:
@@ -122,6 +89,7 @@ def engine_rows(server: LocalRedis, shape: Shape, kv: DenseKV, num_tokens: int, 
             assert int(e.retrieve(tokens, dest).sum()) == num_tokens
 
         out["retrieve_local"] = median_seconds(local, reps)
+        assert same_kv(kv, dest, shape, num_tokens)
     server.clear()
     return out
 

@@ -59,26 +59,6 @@ class PlainSocket:
             pos += got
 
 
-def plain_socket(
-    port: int, chunks: Sequence[torch.Tensor], part: int, reps: int
-) -> tuple[float, float]:
-    """Seconds (median) to SET and to GET every chunk's bytes as values of ``part`` bytes."""
-    values = [v for c in chunks for v in split(c.view(torch.uint8).reshape(-1).numpy().data, part)]
-    keys = [b"plain:%d" % i for i in range(len(values))]
-    dests = [memoryview(bytearray(len(v))) for v in values]
-    conn = PlainSocket(port)
-    try:
-        t_set = median_seconds(lambda: conn.set_many(keys, values), reps)
-        t_get = median_seconds(lambda: conn.get_many(keys, dests), reps)
-        assert all(bytes(d[:64]) == bytes(v[:64]) for d, v in zip(dests, values, strict=True))
-        conn.sock.sendall(b"*%d\r\n$6\r\nUNLINK\r\n" % (len(keys) + 1)
-                          + b"".join(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys))
-        conn._read_exact(len(b":%d\r\n" % len(keys)))
-    finally:
-        conn.close()
-    return t_set, t_get
-
-
 def redis_benchmark(
     port: int, value_bytes: int, total_bytes: int, pipeline: int
 ) -> dict[str, float]:

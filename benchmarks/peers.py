@@ -16,8 +16,6 @@ from collections.abc import Sequence
 import redis
 import torch
 
-from benchmarks.timing import median_seconds
-
 _META = struct.Struct("<8sI5I")
 
 
@@ -25,47 +23,22 @@ def _raw(chunk: torch.Tensor) -> memoryview:
     return chunk.view(torch.uint8).reshape(-1).numpy().data
 
 
-def redis_py_whole(url: str, chunks: Sequence[torch.Tensor], reps: int) -> tuple[float, float]:
-    """Seconds (median) to SET and GET every chunk as one value, one command each, and copy
-    each reply into a reused chunk buffer."""
+def lmcache_ops(url: str, chunks: Sequence[torch.Tensor]):  # type: ignore[no-untyped-def]
+    """(put, get, dests, keys, client) of the LMCache pattern, for the interleaved rows."""
     client = redis.Redis.from_url(url, socket_timeout=60)
-    keys = [f"rp:{i}" for i in range(len(chunks))]
+    base = [f"lmc:{i}" for i in range(len(chunks))]
+    keys = [k + s for k in base for s in ("metadata", "kv_bytes")]
     dests = [torch.empty_like(c) for c in chunks]
 
     def put() -> None:
-        for key, chunk in zip(keys, chunks, strict=True):
-            client.set(key, _raw(chunk))
-
-    def get() -> None:
-        for key, dest in zip(keys, dests, strict=True):
-            data = client.get(key)
-            _raw(dest)[:] = data
-
-    try:
-        t_put = median_seconds(put, reps)
-        t_get = median_seconds(get, reps)
-        assert all(torch.equal(a, b) for a, b in zip(chunks, dests, strict=True))
-        client.unlink(*keys)
-    finally:
-        client.close()
-    return t_put, t_get
-
-
-def lmcache_pattern(url: str, chunks: Sequence[torch.Tensor], reps: int) -> tuple[float, float]:
-    """Seconds (median) to put and get every chunk the way LMCache's Redis connector does."""
-    client = redis.Redis.from_url(url, socket_timeout=60)
-    keys = [f"lmc:{i}" for i in range(len(chunks))]
-    dests = [torch.empty_like(c) for c in chunks]
-
-    def put() -> None:
-        for key, chunk in zip(keys, chunks, strict=True):
+        for key, chunk in zip(base, chunks, strict=True):
             meta = _META.pack(str(chunk.dtype)[6:14].encode(), chunk.nbytes,
                               *(list(chunk.shape) + [0] * 5)[:5])
             client.set(key + "metadata", meta)
             client.set(key + "kv_bytes", _raw(chunk))
 
     def get() -> None:
-        for key, dest in zip(keys, dests, strict=True):
+        for key, dest in zip(base, dests, strict=True):
             meta = client.get(key + "metadata")
             if meta is None:
                 continue
@@ -75,11 +48,4 @@ def lmcache_pattern(url: str, chunks: Sequence[torch.Tensor], reps: int) -> tupl
                 continue
             _raw(dest)[:] = data
 
-    try:
-        t_put = median_seconds(put, reps)
-        t_get = median_seconds(get, reps)
-        assert all(torch.equal(a, b) for a, b in zip(chunks, dests, strict=True))
-        client.unlink(*(k + s for k in keys for s in ("metadata", "kv_bytes")))
-    finally:
-        client.close()
-    return t_put, t_get
+    return put, get, dests, keys, client

@@ -22,10 +22,20 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import codec_rows, engine_rows, limits, peers, report
-from benchmarks.data import CHUNK, LLAMA8B, TINY, Shape, chunk_tensor, model_kv, normal_dense
+from benchmarks import codec_rows, contenders, engine_rows, limits, report
+from benchmarks.data import (
+    CHUNK,
+    LLAMA8B,
+    TINY,
+    Shape,
+    chunk_tensor,
+    empty_dense,
+    model_kv,
+    normal_dense,
+)
 from benchmarks.server import LocalRedis
-from benchmarks.timing import Results
+from benchmarks.timing import Results, Row
+from lmcache_remote import DenseKV
 from lmcache_remote.serde import DEFAULT_PART_SIZE
 
 CODECS = ("raw", "lz4", "lz4-planes")
@@ -60,7 +70,7 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def run(sizes: Sizes, out: Path | None, command: str) -> Results:
+def run(sizes: Sizes, out: Path | None, command: str, save: Path | None = None) -> Results:
     res = Results()
     shape = sizes.shape
     num_tokens = sizes.chunks * CHUNK
@@ -73,7 +83,7 @@ def run(sizes: Sizes, out: Path | None, command: str) -> Results:
         print(f"redis-server {server.version()} on port {server.port}; {sizes.chunks} chunks of "
               f"{shape.chunk_bytes / 2**20:.2f} MiB ({shape.name})", flush=True)
         _limits(res, server, chunks, nbytes, reps)
-        _peers(res, server, chunks, nbytes, reps)
+        _side_by_side(res, server, shape, kv, chunks, num_tokens, nbytes, reps)
         for codec in CODECS:
             _engine(res, server, shape, kv, chunks, num_tokens, nbytes, codec, reps)
         _codecs(res, sizes)
@@ -88,10 +98,26 @@ def run(sizes: Sizes, out: Path | None, command: str) -> Results:
         _ttft(res, server, sizes)
     elapsed = time.time() - started
     print(f"done in {elapsed:.0f} s", flush=True)
+    info = machine()
+    if save is not None:
+        save.write_text(json.dumps({
+            "mode": sizes.name, "command": command, "machine": info, "elapsed": elapsed,
+            "rows": [dataclasses.asdict(r) for r in res.rows],
+        }, indent=1))
     if out is not None:
-        out.write_text(report.render(res, sizes, command, machine(), elapsed, CODECS))
+        out.write_text(report.render(res, sizes, command, info, elapsed, CODECS))
         print(f"wrote {out}")
     return res
+
+
+def rerender(saved: Path, out: Path) -> None:
+    """Writes the report again from a run saved with ``--save`` (same figures, new prose)."""
+    data = json.loads(saved.read_text())
+    res = Results(echo=False)
+    res.rows = [Row(**r) for r in data["rows"]]
+    out.write_text(report.render(res, MODES[data["mode"]], data["command"], data["machine"],
+                                 data["elapsed"], CODECS))
+    print(f"wrote {out} from {saved}")
 
 
 def _limits(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes: int,
@@ -100,45 +126,61 @@ def _limits(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes
     reused, fresh = limits.memcpy(chunks[0], reps * 2)
     res.add("limits", "memcpy into a reused buffer", gbps(chunks[0].nbytes, reused), "GB/s")
     res.add("limits", "memcpy into a fresh buffer", gbps(chunks[0].nbytes, fresh), "GB/s")
-    t_set, t_get = limits.plain_socket(server.port, chunks, part, reps)
-    note = f"values of {part} B, pipelined"
-    res.add("limits", "plain socket SET", gbps(nbytes, t_set), "GB/s", note)
-    res.add("limits", "plain socket GET", gbps(nbytes, t_get), "GB/s", note)
     rb = limits.redis_benchmark(server.port, part, nbytes, pipeline=8)
     for op in ("SET", "GET"):
         if op in rb:
-            res.add("limits", f"redis-benchmark {op}", rb[op], "GB/s", f"-d {part} -P 8 -c 1")
+            res.add("limits", f"redis-benchmark {op}", rb[op], "GB/s",
+                    f"-d {part} -P 8 -c 1, one key (its value stays in the CPU cache)")
     server.clear()
 
 
-def _peers(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes: int,
-           reps: int) -> None:
-    t_put, t_get = peers.redis_py_whole(server.url, chunks, reps)
-    res.add("peers", "redis-py SET whole chunks", gbps(nbytes, t_put), "GB/s")
-    res.add("peers", "redis-py GET whole chunks", gbps(nbytes, t_get), "GB/s")
-    t_put, t_get = peers.lmcache_pattern(server.url, chunks, reps)
-    res.add("peers", "LMCache pattern put", gbps(nbytes, t_put), "GB/s", "2 keys, 2 round trips")
-    res.add("peers", "LMCache pattern get", gbps(nbytes, t_get), "GB/s", "2 keys, 2 round trips")
-    server.clear()
+def _side_by_side(res: Results, server: LocalRedis, shape: Shape, kv: DenseKV,
+                  chunks: list[torch.Tensor], num_tokens: int, nbytes: int, reps: int) -> None:
+    part = min(DEFAULT_PART_SIZE, chunks[0].nbytes)
+    source = contenders.TierSource(shape, chunks)
+    dest = empty_dense(shape, num_tokens)
+    field = [
+        contenders.plain_socket(server, chunks, part),
+        contenders.redis_py_whole(server, chunks),
+        contenders.lmcache(server, chunks),
+        *(contenders.tier(server, source, codec) for codec in CODECS),
+        *(contenders.engine(server, shape, kv, dest, num_tokens, codec) for codec in CODECS),
+    ]
+    notes = {
+        "plain socket": f"values of {part} B, pipelined, into reused buffers: the limit",
+        "redis-py whole chunks": "one SET / GET per 32 MiB chunk",
+        "LMCache pattern": "2 keys per chunk, one round trip each, no pipelining",
+    }
+    result = contenders.duel(field, reps)
+    for name, (t_put, t_get) in result.items():
+        if name.startswith("engine"):
+            put_note, get_note = ("synchronous store, KV copy included",
+                                  "Redis hit, local tier off, KV copy included")
+        elif name.startswith("RedisTier"):
+            put_note, get_note = "encode + send", "receive + check + decode"
+        else:
+            put_note = get_note = notes[name]
+        res.add("side by side", f"{name}: store", gbps(nbytes, t_put), "GB/s", put_note)
+        res.add("side by side", f"{name}: retrieve", gbps(nbytes, t_get), "GB/s", get_note)
+    for obj in source.objs:
+        obj.release()
 
 
-def _engine(res: Results, server: LocalRedis, shape: Shape, kv: object,
+def _engine(res: Results, server: LocalRedis, shape: Shape, kv: DenseKV,
             chunks: list[torch.Tensor], num_tokens: int, nbytes: int, codec: str,
             reps: int) -> None:
-    t_put, t_get, memory = engine_rows.tier_rows(server, shape, chunks, codec, reps)
-    res.add(f"tier {codec}", "RedisTier.put", gbps(nbytes, t_put), "GB/s")
-    res.add(f"tier {codec}", "RedisTier.get", gbps(nbytes, t_get), "GB/s")
-    e = engine_rows.engine_rows(server, shape, kv, num_tokens, codec, reps)  # type: ignore[arg-type]
+    e = engine_rows.write_behind_rows(server, shape, kv, num_tokens, codec, reps)
+    sync = nbytes / res.get("side by side", f"engine {codec}: store") / 1e9
     sec = f"engine {codec}"
-    res.add(sec, "store, synchronous", gbps(nbytes, e["store_sync"]), "GB/s")
+    res.add(sec, "KV copy out of the cache alone", e["gather"] * 1e3, "ms",
+            "gather into reused chunk buffers")
     res.add(sec, "store returns (write-behind)", e["store_async_return"] * 1e3, "ms")
-    res.add(sec, "store return / synchronous store",
-            e["store_async_return"] / e["store_sync"], "ratio")
+    res.add(sec, "store return / synchronous store", e["store_async_return"] / sync, "ratio")
     res.add(sec, "store until in Redis (write-behind)", gbps(nbytes, e["store_async_landed"]),
             "GB/s")
-    res.add(sec, "retrieve, Redis hit (local off)", gbps(nbytes, e["retrieve_redis"]), "GB/s")
     res.add(sec, "retrieve, local-tier hit", gbps(nbytes, e["retrieve_local"]), "GB/s")
-    res.add(sec, "Redis memory / raw KV", memory, "ratio", "used_memory growth per KV byte")
+    res.add(sec, "Redis memory / raw KV", engine_rows.redis_memory(server, shape, chunks, codec),
+            "ratio", "used_memory growth per KV byte")
 
 
 def _codecs(res: Results, sizes: Sizes) -> None:
@@ -175,7 +217,7 @@ def _rss(res: Results, server: LocalRedis, sizes: Sizes) -> None:
 def _ttft(res: Results, server: LocalRedis, sizes: Sizes) -> None:
     from benchmarks.ttft import ttft_rows
 
-    t = ttft_rows(server.url, sizes.ttft_prefix, max(3, sizes.reps))
+    t = ttft_rows(server.url, sizes.ttft_prefix, max(3, 2 * sizes.reps - 1))
     for name, label in (("recompute", "recompute"), ("local_hit", "local-tier hit"),
                         ("redis_hit", "Redis hit")):
         res.add("ttft", f"TTFT {sizes.ttft_prefix}-token prefix, {label}", t[name] * 1e3, "ms")
@@ -212,14 +254,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="markdown report (default: docs/benchmarks.md for a full run, "
                              "none otherwise)")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="also keep the figures as JSON (for --render)")
+    parser.add_argument("--render", type=Path, default=None, metavar="SAVED_JSON",
+                        help="run nothing: write the report from a run saved with --save")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        rerender(args.render, args.out or Path("docs/benchmarks.md"))
+        return
     name = "tiny" if args.tiny else "quick" if args.quick else "full"
     out = args.out
     if out is None and name == "full":
         out = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
     command = ".venv/bin/python -m benchmarks.run" + (f" --{name}" if name != "full" else "")
     torch.set_num_threads(os.cpu_count() or 1)
-    run(MODES[name], out, command)
+    run(MODES[name], out, command, args.save)
 
 
 if __name__ == "__main__":

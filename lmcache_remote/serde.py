@@ -228,6 +228,14 @@ class Serde:
 
     def encode(self, tensor: torch.Tensor, chunk_hash: bytes, num_tokens: int) -> list[BytesLike]:
         """The values of one chunk: ``values[0]`` header + part 0, then parts 1..n-1."""
+        header, parts = self.encode_parts(tensor, chunk_hash, num_tokens)
+        return [b"".join((header, parts[0])), *parts[1:]]
+
+    def encode_parts(
+        self, tensor: torch.Tensor, chunk_hash: bytes, num_tokens: int
+    ) -> tuple[bytes, list[BytesLike]]:
+        """`encode` without joining the header to part 0 (which copies part 0): the header and
+        the stored parts; value 0 is ``header + parts[0]``, value i is ``parts[i]``."""
         raw = _tensor_bytes(tensor)
         shape = tuple(tensor.shape)
         _check_shape(shape, SerdeError)
@@ -251,7 +259,7 @@ class Serde:
             PART_ENTRY.pack_into(header, offset, len(data), checksum)
         end = len(header) - HEADER_CHECKSUM.size
         HEADER_CHECKSUM.pack_into(header, end, _header_checksum(memoryview(header)[:end]))
-        return [b"".join((header, stored[0][0])), *(data for data, _ in stored[1:])]
+        return bytes(header), [data for data, _ in stored]
 
     def _encode_part(self, segment: memoryview, itemsize: int) -> tuple[BytesLike, int]:
         data = self.codec.encode(segment, itemsize)

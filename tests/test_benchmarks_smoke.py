@@ -21,8 +21,8 @@ def test_benchmark_suite_runs_in_tiny_mode(tmp_path: Path) -> None:
     assert "python -m benchmarks.run --tiny" in text
     for heading in ("## Machine", "## Targets on this run", "## Results", "## Codecs per dtype"):
         assert heading in text
-    for row in ("plain socket GET", "redis-benchmark SET", "LMCache pattern get",
-                "retrieve, Redis hit (local off)", "store returns (write-behind)",
+    for row in ("plain socket: retrieve", "redis-benchmark SET", "LMCache pattern: store",
+                "engine lz4: retrieve", "RedisTier raw: store", "store returns (write-behind)",
                 "lookup 16 chunks, all hit", "peak RSS rise", "TTFT 256-token prefix, Redis hit",
                 "bfloat16 tiny-model KV | lz4-planes"):
         assert row in text, row

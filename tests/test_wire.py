@@ -152,3 +152,12 @@ def test_arena_reuses_its_block() -> None:
     first = pool.acquire()
     pool.release(first)
     assert pool.acquire() is first
+
+
+def test_a_value_given_as_several_buffers_is_one_value(redis_url: str, key_prefix: str) -> None:
+    head, body = b"header:", memoryview(bytes(range(256)) * 400)  # body sent without a copy
+    client = _client(redis_url)
+    wire = BulkPipeline(client)
+    assert wire.execute([("SET", f"{key_prefix}:joined", (head, body))]) == [b"OK"]
+    assert client.get(f"{key_prefix}:joined") == head + bytes(body)
+    client.close()

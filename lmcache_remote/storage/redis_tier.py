@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 _WINDOW_BYTES = 64 * 1024 * 1024
 
 
+def _nbytes(value: Any) -> int:
+    if isinstance(value, tuple):
+        return sum(len(memoryview(v)) for v in value)
+    return len(memoryview(value))
+
+
 class RedisTier(StorageTier):
     """The remote tier over one Redis/Valkey server. Thread-safe (redis-py's pool is)."""
 
@@ -123,9 +129,15 @@ class RedisTier(StorageTier):
         written = 0
         for key, obj in zip(keys, objs, strict=True):
             num_tokens = obj.tensor.shape[2]
-            values = self.serde.encode(obj.tensor, key.hash_bytes, num_tokens)
+            values: list[Any]
+            if self.wire is not None:  # value 0 as (header, part 0): no copy of part 0
+                header, parts = self.serde.encode_parts(obj.tensor, key.hash_bytes, num_tokens)
+                values = [(header, parts[0]), *parts[1:]]
+                size += len(header) + sum(len(memoryview(v)) for v in parts)
+            else:
+                values = list(self.serde.encode(obj.tensor, key.hash_bytes, num_tokens))
+                size += sum(len(memoryview(v)) for v in values)
             batch.append((key.part_keys(self.prefix, len(values)), values))
-            size += sum(len(memoryview(v)) for v in values)
             if size >= _WINDOW_BYTES:
                 written += self._write(batch)
                 batch, size = [], 0
@@ -200,7 +212,7 @@ class RedisTier(StorageTier):
             return pipe.execute()
 
         self.caller.call(op)
-        nbytes = sum(len(memoryview(v)) for _, values in batch for v in values)
+        nbytes = sum(_nbytes(v) for _, values in batch for v in values)
         self.metrics.inc("remote.written_chunks", len(batch))
         self.metrics.inc("remote.written_bytes", nbytes)
         return len(batch)

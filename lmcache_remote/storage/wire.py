@@ -103,8 +103,10 @@ class ArenaPool:
                 self._free.append(arena)
 
 
-def pack(args: Sequence[BytesLike | str | int]) -> list[BytesLike]:
-    """The RESP encoding of one command, as buffers to send; big values are not copied."""
+def pack(args: Sequence[Any]) -> list[BytesLike]:
+    """The RESP encoding of one command, as buffers to send; big values are not copied. An
+    argument may be a tuple of buffers: one bulk string made of them, in order (a header and
+    a payload sent without joining them)."""
     out: list[BytesLike] = []
     small: list[bytes] = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -114,6 +116,17 @@ def pack(args: Sequence[BytesLike | str | int]) -> list[BytesLike]:
             arg = b"%d" % arg
         if isinstance(arg, bytes) and len(arg) < _COALESCE:
             small.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+            continue
+        if isinstance(arg, tuple):  # one value given as several buffers, sent back to back
+            views = [memoryview(a).cast("B") for a in arg]
+            small.append(b"$%d\r\n" % sum(len(v) for v in views))
+            for view in views:
+                if len(view) < _COALESCE:
+                    small.append(view.tobytes())
+                else:
+                    out += (b"".join(small), view)
+                    small = []
+            small.append(_CRLF)
             continue
         view = memoryview(arg).cast("B")
         small.append(b"$%d\r\n" % len(view))
@@ -292,6 +305,6 @@ def _pack_small(args: Sequence[Any]) -> bytes | None:
         elif isinstance(arg, int):
             arg = b"%d" % arg
         elif not isinstance(arg, bytes) or len(arg) >= _COALESCE:
-            return None
+            return None  # a buffer, a big value or a tuple of buffers: `pack` sends it
         parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
     return b"".join(parts)

@@ -1,0 +1,160 @@
+"""The side-by-side rows: every contender moves the same chunks, and the repetitions are
+interleaved (rep 1 of each contender, then rep 2 of each, ...) so that the load of a shared
+machine falls on all of them alike and their ratios stay meaningful.
+
+A contender has ``put()`` and ``get()`` (timed) and ``clean()`` (untimed: removes its keys,
+so only one contender's data sits in Redis at a time).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+import torch
+
+from benchmarks import peers
+from benchmarks.data import CHUNK, Shape, same_kv
+from benchmarks.engine_rows import _config
+from benchmarks.limits import PlainSocket, split
+from benchmarks.server import LocalRedis
+from lmcache_remote import CacheEngine, DenseKV
+from lmcache_remote.hashing import KeyNamespace, TokenDatabase
+from lmcache_remote.memory import MemoryObj, MemoryPool
+from lmcache_remote.metrics import Metrics
+from lmcache_remote.storage.redis_tier import RedisTier
+
+
+@dataclass
+class Contender:
+    name: str
+    put: Callable[[], object]
+    get: Callable[[], object]
+    clean: Callable[[], object]
+    check: Callable[[], bool] = lambda: True
+    after: Callable[[], object] = lambda: None  # untimed, after each get (frees buffers)
+    close: Callable[[], object] = lambda: None
+
+
+def plain_socket(server: LocalRedis, chunks: Sequence[torch.Tensor], part: int) -> Contender:
+    values = [v for c in chunks for v in split(c.view(torch.uint8).reshape(-1).numpy().data, part)]
+    keys = [b"plain:%d" % i for i in range(len(values))]
+    dests = [memoryview(bytearray(len(v))) for v in values]
+    conn = PlainSocket(server.port)
+    return Contender(
+        "plain socket", lambda: conn.set_many(keys, values), lambda: conn.get_many(keys, dests),
+        lambda: server.clear(),
+        check=lambda: all(bytes(d) == bytes(v) for d, v in zip(dests, values, strict=True)),
+        close=conn.close,
+    )
+
+
+def redis_py_whole(server: LocalRedis, chunks: Sequence[torch.Tensor]) -> Contender:
+    client = redis.Redis.from_url(server.url, socket_timeout=60)
+    keys = [f"rp:{i}" for i in range(len(chunks))]
+    dests = [torch.empty_like(c) for c in chunks]
+
+    def put() -> None:
+        for key, chunk in zip(keys, chunks, strict=True):
+            client.set(key, peers._raw(chunk))
+
+    def get() -> None:
+        for key, dest in zip(keys, dests, strict=True):
+            peers._raw(dest)[:] = client.get(key)
+
+    return Contender("redis-py whole chunks", put, get, lambda: client.unlink(*keys),
+                     check=lambda: all(torch.equal(a, b) for a, b in zip(chunks, dests,
+                                                                         strict=True)),
+                     close=client.close)
+
+
+def lmcache(server: LocalRedis, chunks: Sequence[torch.Tensor]) -> Contender:
+    put, get, dests, keys, client = peers.lmcache_ops(server.url, chunks)
+    return Contender("LMCache pattern", put, get, lambda: client.unlink(*keys),
+                     check=lambda: all(torch.equal(a, b) for a, b in zip(chunks, dests,
+                                                                         strict=True)),
+                     close=client.close)
+
+
+class TierSource:
+    """The chunks as `MemoryObj`s in one pool, shared by the RedisTier contenders."""
+
+    def __init__(self, shape: Shape, chunks: Sequence[torch.Tensor]) -> None:
+        self.shape = shape
+        self.pool = MemoryPool(2 * len(chunks) * shape.chunk_bytes + (1 << 20), pin_memory=False)
+        db = TokenDatabase(KeyNamespace(shape.name, 1, 0, str(shape.dtype)[6:]), CHUNK, False)
+        self.specs = db.chunks(list(range(len(chunks) * CHUNK)))
+        self.objs: list[MemoryObj] = []
+        for chunk in chunks:
+            obj = self.pool.allocate(tuple(chunk.shape), chunk.dtype)
+            assert obj is not None
+            obj.tensor.copy_(chunk)
+            self.objs.append(obj)
+
+
+def tier(server: LocalRedis, source: TierSource, codec: str) -> Contender:
+    t = RedisTier(_config(server.url, codec), source.shape.layout, source.pool, Metrics())
+    keys = [s.key for s in source.specs]
+    last: list[MemoryObj] = []
+
+    def get() -> None:
+        last[:] = t.get(source.specs)
+
+    def check() -> bool:
+        return len(last) == len(source.objs) and all(
+            torch.equal(a.tensor, b.tensor) for a, b in zip(last, source.objs, strict=True))
+
+    def after() -> None:
+        for obj in last:
+            obj.release()
+        last.clear()
+
+    return Contender(f"RedisTier {codec}", lambda: t.put(keys, source.objs), get,
+                     lambda: t.delete(keys), check=check, after=after, close=t.close)
+
+
+def engine(server: LocalRedis, shape: Shape, kv: DenseKV, dest: DenseKV, num_tokens: int,
+           codec: str) -> Contender:
+    """A synchronous store and a Redis-hit retrieve (local tier off), KV copies included."""
+    e = CacheEngine(_config(server.url, codec, store_async=False, local_cpu=False),
+                    shape.metadata())
+    tokens = list(range(num_tokens))
+    salts = itertools.count()
+    salt = ["s"]
+
+    def put() -> None:
+        salt[0] = f"s{next(salts)}"
+        assert e.store(tokens, kv, cache_salt=salt[0]) == num_tokens
+
+    def get() -> None:
+        assert int(e.retrieve(tokens, dest, cache_salt=salt[0]).sum()) == num_tokens
+
+    return Contender(f"engine {codec}", put, get, server.clear,
+                     check=lambda: same_kv(kv, dest, shape, num_tokens), close=e.close)
+
+
+def duel(contenders: Sequence[Contender], reps: int) -> dict[str, tuple[float, float]]:
+    """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each."""
+    times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in contenders}
+    for rep in range(reps + 1):
+        for c in contenders:
+            c.clean()
+            start = time.perf_counter()
+            c.put()
+            middle = time.perf_counter()
+            c.get()
+            end = time.perf_counter()
+            if rep == 0:
+                assert c.check(), f"{c.name} read back different bytes"
+            else:
+                times[c.name][0].append(middle - start)
+                times[c.name][1].append(end - middle)
+            c.after()
+    for c in contenders:
+        c.clean()
+        c.close()
+    return {name: (statistics.median(p), statistics.median(g)) for name, (p, g) in times.items()}
