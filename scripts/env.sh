@@ -1,0 +1,73 @@
+# Shared set-up for scripts/test.sh and scripts/demo.sh (sourced, not run).
+#
+# ensure_venv: .venv (python3 -m venv) when missing or broken, python3-venv from apt-get if needed.
+# ensure_torch: torch==2.13.0 first, when that version is not importable already: that exact pin
+#   picks the CPU wheel kept on local disk, where any looser spec pulls a multi-GB CUDA build.
+# apt_install PKG...: apt-get install as root (or through sudo), one apt-get update per run.
+# Progress goes to stderr, so `demo --json` keeps stdout to its one JSON document.
+
+TORCH_VERSION="2.13.0"
+PYTHON="${PYTHON:-python3}"
+VENV=".venv"
+PY="$VENV/bin/python"
+export DEBIAN_FRONTEND=noninteractive
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+say() { printf '%s\n' "$*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo -E "$@"
+    else
+        say "error: '$*' needs root (or sudo); run it by hand, then rerun this script"
+        exit 1
+    fi
+}
+
+APT_UPDATED=0
+apt_install() {
+    if ! command -v apt-get >/dev/null 2>&1; then
+        say "error: $* missing and there is no apt-get; install it by hand"
+        exit 1
+    fi
+    if [ "$APT_UPDATED" -eq 0 ]; then
+        as_root apt-get update -q >&2
+        APT_UPDATED=1
+    fi
+    as_root apt-get install -y -q --no-install-recommends "$@" >&2
+}
+
+ensure_venv() {
+    if "$PY" -c "" >/dev/null 2>&1; then
+        return
+    fi
+    if ! command -v "$PYTHON" >/dev/null 2>&1; then
+        apt_install python3 python3-venv
+    fi
+    say "creating $VENV with $("$PYTHON" --version 2>&1)"
+    rm -rf "$VENV"
+    if ! "$PYTHON" -m venv "$VENV" >&2; then
+        # Debian's python3 lacks ensurepip until python3-venv is installed.
+        rm -rf "$VENV"
+        apt_install python3-venv
+        "$PYTHON" -m venv "$VENV" >&2
+    fi
+}
+
+ensure_torch() {
+    if "$PY" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
+        >/dev/null 2>&1; then
+        say "torch $TORCH_VERSION already installed"
+    else
+        say "installing torch==$TORCH_VERSION"
+        "$PY" -m pip install -q "torch==$TORCH_VERSION" >&2
+    fi
+}
+
+# pip_install_project EXTRAS: the project in editable mode with those extras (e.g. "test").
+pip_install_project() {
+    say "installing lmcache-remote[$1] (editable)"
+    "$PY" -m pip install -q -e ".[$1]" >&2
+}
