@@ -104,7 +104,9 @@ def render(res: Results, sizes: Any, command: str, machine: dict[str, str], elap
         f"{str(shape.dtype)[6:]}: {shape.chunk_bytes / 2**20:.2f} MiB per 256-token chunk, "
         f"{sizes.chunks * shape.chunk_bytes / 2**20:.0f} MiB in all; normal data, std 1). "
         f"Each figure is the median of {sizes.reps} repetitions after one warm-up; GB/s are "
-        "10^9 bytes of raw KV per second. Ratios compare figures of this run only.",
+        "10^9 bytes of raw KV per second. Ratios compare figures of this run only. The run "
+        "also saved its figures (`--save docs/benchmarks.json`); `--render` rewrites this page "
+        "from them without running anything.",
         "",
         "## Machine",
         "",

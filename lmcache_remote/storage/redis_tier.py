@@ -42,12 +42,13 @@ from lmcache_remote.serde import Serde, ValueHeader, header_nbytes
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.health import HealthGate
-from lmcache_remote.storage.wire import ArenaPool, BulkPipeline, Reply, supports
+from lmcache_remote.storage.wire import ArenaPool, BulkPipeline, Reply, pack_command, supports
 
 logger = logging.getLogger(__name__)
 #: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
 #: enough that the encoded values and receive arena of one batch stay a modest memory cost.
 _WINDOW_BYTES = 64 * 1024 * 1024
+_KEY_CACHE_SIZE = 65536  # chunks whose keys are kept built (a few MiB at most)
 
 
 def _nbytes(value: Any) -> int:
@@ -79,6 +80,9 @@ class RedisTier(StorageTier):
         self.client = client if client is not None else make_client(config)
         self.wire = BulkPipeline(self.client) if supports(self.client) else None
         self._arenas = ArenaPool()
+        self._key_cache: dict[tuple[CacheEngineKey, int], list[str]] = {}
+        self._nparts_cache: dict[int, int] = {}
+        self._exists_cache: dict[tuple[CacheEngineKey, int], bytes] = {}
         self.gate = HealthGate(config.unhealthy_backoff)
         self.caller = RemoteCaller(config.remote_timeout, self.gate)
         self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
@@ -87,10 +91,34 @@ class RedisTier(StorageTier):
     # -- keys -------------------------------------------------------------------------------
 
     def _nparts(self, num_tokens: int) -> int:
-        return self.serde.part_count(self.layout.nbytes(num_tokens))
+        count = self._nparts_cache.get(num_tokens)
+        if count is None:
+            count = self._nparts_cache[num_tokens] = self.serde.part_count(
+                self.layout.nbytes(num_tokens)
+            )
+        return count
 
     def _keys(self, spec: ChunkSpec) -> list[str]:
-        return spec.key.part_keys(self.prefix, self._nparts(spec.num_tokens))
+        """The chunk's part keys (cached: a prompt's chunks are asked for again and again)."""
+        nparts = self._nparts(spec.num_tokens)
+        cached = self._key_cache.get((spec.key, nparts))
+        if cached is None:
+            if len(self._key_cache) >= _KEY_CACHE_SIZE:
+                self._key_cache.clear()
+            cached = spec.key.part_keys(self.prefix, nparts)
+            self._key_cache[(spec.key, nparts)] = cached
+        return cached
+
+    def _exists_command(self, spec: ChunkSpec) -> bytes:
+        """``EXISTS key part1 ...`` of the chunk, packed once and cached."""
+        nparts = self._nparts(spec.num_tokens)
+        packed = self._exists_cache.get((spec.key, nparts))
+        if packed is None:
+            if len(self._exists_cache) >= _KEY_CACHE_SIZE:
+                self._exists_cache.clear()
+            packed = pack_command(("EXISTS", *self._keys(spec)))
+            self._exists_cache[(spec.key, nparts)] = packed
+        return packed
 
     # -- contract ---------------------------------------------------------------------------
 
@@ -101,7 +129,7 @@ class RedisTier(StorageTier):
 
         def op() -> list[Any]:
             if self.wire is not None:
-                return self.wire.execute([("EXISTS", *keys) for keys in key_lists])
+                return self.wire.execute([self._exists_command(s) for s in specs])
             pipe = self.client.pipeline(transaction=False)
             for keys in key_lists:
                 pipe.exists(*keys)

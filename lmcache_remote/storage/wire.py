@@ -11,11 +11,11 @@ Contract:
 
 - `BulkPipeline(client)` borrows connections from ``client.connection_pool`` (so AUTH, SELECT,
   TLS, timeouts and reconnects stay redis-py's), one per `execute` call, and gives each back.
-- `execute(commands, sink)` sends every command, then reads exactly one reply per command,
-  in order. A bulk string reply is received into ``sink(index, length)`` when that returns a
-  writable buffer of exactly ``length`` bytes (or a list of buffers that add up to it, and the
-  reply is then that list), else into a fresh buffer; a nil is None, an integer an int, a
-  status a `bytes`.
+- `execute(commands, sink)` sends every command (a sequence of arguments, or `bytes` already
+  packed by `pack_command`), then reads exactly one reply per command, in order. A bulk
+  string reply is received into ``sink(index, length)`` when that returns a writable buffer
+  of exactly ``length`` bytes (or a list of buffers that add up to it, and the reply is then
+  that list), else into a fresh buffer; a nil is None, an integer an int, a status a `bytes`.
 - Error replies (``-ERR``, ``-NOPERM``, ``-OOM``) do not stop the reading: every reply is read,
   so the connection stays in step, then the first error is raised as redis-py would raise it.
 - A socket timeout raises `redis.TimeoutError`, a lost connection or a reply this reader does
@@ -277,7 +277,7 @@ class BulkPipeline:
         pending: list[bytes] = []
         size = 0
         for args in commands:
-            small = _pack_small(args)
+            small = args if isinstance(args, bytes) else _pack_small(args)
             pieces = [small] if small is not None else pack(args)
             for piece in pieces:
                 if isinstance(piece, bytes) and len(piece) < _COALESCE:
@@ -293,6 +293,14 @@ class BulkPipeline:
                 pending, size = [], 0
         if pending:
             sock.sendall(b"".join(pending))
+
+
+def pack_command(args: Sequence[str | bytes | int]) -> bytes:
+    """One command of small arguments, packed once (for commands sent again and again)."""
+    packed = _pack_small(args)
+    if packed is None:
+        raise ValueError("pack_command takes str, int and small bytes arguments only")
+    return packed
 
 
 def _pack_small(args: Sequence[Any]) -> bytes | None:
