@@ -257,6 +257,17 @@ def test_byte_planes_beat_plain_lz4_on_normal_bf16() -> None:
         Serde("lz4-planes").encode(tensor, HASH, 256), HASH), tensor)
 
 
+@pytest.mark.parametrize("codec", ALL_CODECS)
+def test_default_parts_of_a_32_mib_chunk_stay_under_jemallocs_4_mib_class(codec: str) -> None:
+    """Incompressible data (lz4's worst case): every value of a Llama-8B-sized chunk is under
+    4 MiB, so Redis stores it in the 4 MiB size class, never the next one (5 MiB) nor at 8 MiB
+    and up, where values page-fault on the server."""
+    tensor = random_tensor(torch.bfloat16, (32, 2, 256, 8, 128), seed=5)
+    values = Serde(codec).encode(tensor, HASH, 256)
+    sizes = [len(memoryview(v)) for v in values]
+    assert len(values) == 9 and max(sizes) < 4 * 1024 * 1024 - 1024, sizes
+
+
 def test_part_count() -> None:
     serde = Serde(part_size=100)
     assert [serde.part_count(n) for n in (0, 1, 99, 100, 101, 200, 201)] == [1, 1, 1, 1, 2, 2, 3]

@@ -161,3 +161,49 @@ def test_a_value_given_as_several_buffers_is_one_value(redis_url: str, key_prefi
     assert wire.execute([("SET", f"{key_prefix}:joined", (head, body))]) == [b"OK"]
     assert client.get(f"{key_prefix}:joined") == head + bytes(body)
     client.close()
+
+
+@pytest.mark.parametrize(("write", "read"), [
+    (("raw", 8192), ("raw", 4096)), (("lz4", 4096), ("raw", 8192)),
+    (("raw", 4096), ("lz4-planes", 8192)), (("lz4-planes", 100_000), ("raw", 4096)),
+])
+def test_tier_reads_chunks_written_with_other_codec_or_part_size(
+    redis_url: str, key_prefix: str, write: tuple[str, int], read: tuple[str, int]
+) -> None:
+    """Raw replies are received straight into the chunk only when their length fits; a chunk
+    written with another part size or codec still decodes, exactly, through the header."""
+    import torch
+
+    from lmcache_remote.hashing import KeyNamespace, TokenDatabase
+    from lmcache_remote.memory import ChunkLayout, MemoryPool
+    from lmcache_remote.metrics import Metrics
+    from lmcache_remote.storage.redis_tier import RedisTier
+
+    layout = ChunkLayout(2, 2, 8, torch.bfloat16)
+    db = TokenDatabase(KeyNamespace("wire/model", 1, 0, "bfloat16"), 64, save_unfull_chunk=True)
+    specs = db.chunks(list(range(64 * 3 + 10)))
+    pool = MemoryPool(64 * 1024 * 1024, pin_memory=False)
+    objs = []
+    gen = torch.Generator().manual_seed(9)
+    for s in specs:
+        obj = pool.allocate(layout.shape(s.num_tokens), layout.dtype)
+        assert obj is not None
+        obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen).to(layout.dtype))
+        objs.append(obj)
+
+    def tier(codec: str, part: int) -> RedisTier:
+        cfg = CacheConfig(remote_url=redis_url, key_prefix=key_prefix, serde=codec,
+                          remote_part_size=part)
+        return RedisTier(cfg, layout, pool, Metrics())
+
+    writer, reader = tier(*write), tier(*read)
+    assert reader.wire is not None
+    assert writer.put([s.key for s in specs], objs) == len(specs)
+    got = reader.get(specs)
+    assert len(got) == len(specs)
+    for want, have in zip(objs, got, strict=True):
+        assert torch.equal(want.tensor.view(torch.uint8), have.tensor.view(torch.uint8))
+        have.release()
+    assert reader.metrics.snapshot().get("remote", {}).get("corrupt_chunks", 0) == 0
+    writer.close()
+    reader.close()
