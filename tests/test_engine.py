@@ -236,6 +236,28 @@ def test_multi_part_values_round_trip_and_missing_part_cuts(
         dst, read_dst = view("kv_split", torch.float32, 768, seed=None)
         assert e.retrieve(toks, dst).tolist() == [True] * 256 + [False] * 512
         assert torch.equal(read_dst(0, 256), read_src(0, 256))
+        remote = e.stats()["remote"]
+        assert remote["incomplete_chunks"] == 1 and "corrupt_chunks" not in remote
+    assert redis_client.exists(keys[1], keys[1] + "#1") == 0  # the rest of it was deleted
+
+
+@pytest.mark.parametrize("serde", ["raw", "lz4"])
+def test_ttl_reaches_every_part_in_one_write(redis_url: str, redis_client: redis.Redis,
+                                             key_prefix: str, serde: str) -> None:
+    toks = tokens(512)
+    src, read_src = view("kv_split", torch.float32, 512, seed=8)
+    meta = metadata(torch.float32)
+    with engine(redis_url, key_prefix, meta, store_async=False, remote_part_size=8192,
+                remote_ttl=600, serde=serde) as e:
+        assert e.store(toks, src) == 512
+    for head in spec_keys(toks, key_prefix, dtype="float32"):
+        parts = [head] + [f"{head}#{i}" for i in range(1, 4)]
+        ttls = [redis_client.pttl(k) for k in parts]
+        assert all(590_000 < t <= 600_000 for t in ttls), ttls
+    with engine(redis_url, key_prefix, meta, local_cpu=False, remote_part_size=8192) as e:
+        dst, read_dst = view("dense", torch.float32, 512, seed=None)
+        assert bool(e.retrieve(toks, dst).all())
+        assert torch.equal(read_dst(0, 512), read_src(0, 512))
 
 
 def test_retrieve_rejects_mismatched_view(redis_url: str, key_prefix: str) -> None:

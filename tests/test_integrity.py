@@ -186,7 +186,7 @@ def test_every_damaged_value0_is_detected_counted_deleted(stored: Stored) -> Non
             raise AssertionError(f"case {name}: {exc}") from exc
         stored.restore()
     # the first chunk damaged: nothing at all is served
-    stored.write(0, [flip(stored.good[0][0], len(stored.good[0][0]) - 1)])
+    stored.write(0, [flip(stored.good[0][0], len(stored.good[0][0]) - 1), *stored.good[0][1:]])
     stored.expect_cut_at(0)
 
 

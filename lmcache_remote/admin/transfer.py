@@ -7,9 +7,10 @@
 - `verify_snapshot`: reads the whole file once and checks every checksum and key; raises
   `SnapshotError` (with the byte offset) at the first damage.
 - `import_snapshot`: verifies the whole file first, so a damaged file imports nothing; then
-  writes every chunk in windows: one value `SET key value [PX ttl]`, several values `MSET`
-  (atomic, one hash slot) then `PEXPIRE` per value with a TTL. Values are written byte for
-  byte as exported, with the remaining TTL they had at export time. With `skip_existing`
+  writes every chunk in windows, each chunk in one atomic command (`chunk_write_command`: SET,
+  MSET, or an EVAL of `SET ... PX` per value when the chunk had a TTL). Values are written byte
+  for byte as exported; the chunk gets the remaining TTL it had at export time (the shortest
+  of its values', which a chunk written by the engine shares anyway). With `skip_existing`
   (what `warm` does) a chunk whose values all exist already is left alone.
 """
 
@@ -30,6 +31,7 @@ from lmcache_remote.admin.snapshot import (
     SnapshotWriter,
 )
 from lmcache_remote.keys import absolute_key, relative_key, split_part_key
+from lmcache_remote.storage.redis_tier import chunk_write_command
 
 WINDOW_BYTES = 64 * 1024 * 1024
 Progress = Callable[[int], None] | None
@@ -149,13 +151,7 @@ def _write_window(client: Any, window: list[tuple[list[str], SnapshotRecord]],
         todo = [w for w, n in zip(window, present, strict=True) if int(n) != len(w[0])]
     pipe = client.pipeline(transaction=False)
     for keys, record in todo:
-        if len(keys) == 1:
-            pipe.set(keys[0], record.values[0], px=_px(record.ttls_ms[0]))
-            continue
-        pipe.mset(dict(zip(keys, record.values, strict=True)))
-        for key, ttl in zip(keys, record.ttls_ms, strict=True):
-            if ttl is not None:
-                pipe.pexpire(key, _px(ttl))
+        pipe.execute_command(*chunk_write_command(keys, record.values, _chunk_px(record.ttls_ms)))
     if todo:
         pipe.execute()
     if progress is not None:
@@ -163,6 +159,8 @@ def _write_window(client: Any, window: list[tuple[list[str], SnapshotRecord]],
     return (len(todo), sum(r.nbytes for _, r in todo)), len(window) - len(todo)
 
 
-def _px(ttl_ms: int | None) -> int | None:
-    """The PX argument for a remaining TTL; 0 (about to expire) becomes 1 ms, not 'forever'."""
-    return None if ttl_ms is None else max(1, ttl_ms)
+def _chunk_px(ttls_ms: list[int | None]) -> int | None:
+    """One PX for all of a chunk's values: the shortest remaining TTL among them (None if none
+    has one); 0 (about to expire) becomes 1 ms, not 'forever'."""
+    present = [t for t in ttls_ms if t is not None]
+    return max(1, min(present)) if present else None

@@ -47,7 +47,7 @@ from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.redis_tier import RedisTier, chunk_write_command, command_key
 from lmcache_remote.storage.wire import BulkPipeline
 from lmcache_remote.urls import parse_remote_url
 
@@ -172,9 +172,8 @@ class ClusterRedisTier(RedisTier):
         commands: list[Command] = []
         owner: list[int] = []  # the batch entry each command belongs to
         for i, (keys, values) in enumerate(batch):
-            chunk_cmds = self._write_chunk(keys, values)
-            commands.extend(chunk_cmds)
-            owner.extend([i] * len(chunk_cmds))
+            commands.append(chunk_write_command(keys, values, self._ttl_ms))
+            owner.append(i)
         results = self._run(commands, "write")
         ok = [True] * len(batch)
         for i, result in zip(owner, results, strict=True):
@@ -190,17 +189,6 @@ class ClusterRedisTier(RedisTier):
         if written < len(batch):
             self.metrics.inc("remote.dropped_chunks", len(batch) - written)
         return written
-
-    def _write_chunk(self, keys: list[str], values: list[Any]) -> list[Command]:
-        if len(keys) == 1:
-            ttl = () if self._ttl_ms is None else ("PX", self._ttl_ms)
-            return [("SET", keys[0], values[0], *ttl)]
-        cmds: list[Command] = [
-            ("MSET", *(x for kv in zip(keys, values, strict=True) for x in kv))
-        ]
-        if self._ttl_ms is not None:
-            cmds.extend(("PEXPIRE", key, self._ttl_ms) for key in keys)
-        return cmds
 
     def delete(self, keys: Sequence[CacheEngineKey]) -> int:
         if not keys:
@@ -266,7 +254,7 @@ class ClusterRedisTier(RedisTier):
         manager = cluster.nodes_manager
         for i, cmd in enumerate(commands):
             try:
-                node = manager.get_node_from_slot(cluster.keyslot(cmd[1]))
+                node = manager.get_node_from_slot(cluster.keyslot(command_key(cmd)))
             except redis.RedisError:
                 unrouted += 1
                 continue

@@ -2,7 +2,7 @@
 
 Layout (DESIGN.md, docs/value-format.md): a chunk is one value under its chunk key, or, when
 its bytes pass `remote_part_size`, several values under the chunk key and `#1`, `#2`, ...,
-written together by one MSET (atomic, and on one Cluster slot thanks to the hash tag). The
+written together by one command (atomic, and on one Cluster slot thanks to the hash tag). The
 part count follows from the chunk's raw size, so every key of a chunk is known before any
 round trip.
 
@@ -10,10 +10,13 @@ round trip.
 - `get`: pipelined GETs in windows of about `_WINDOW_BYTES`; each value is decoded and checked
   against the key (hash, dtype, shape, token count, every part's checksum). The first missing
   or bad chunk ends the run; a bad one is counted and deleted so nobody trips on it again.
-- `put`: SET (one part) or MSET (several) per chunk, with PEXPIRE when `remote_ttl` is set.
+- `put`: one command per chunk, so each chunk is written in one atomic step: SET (one part),
+  MSET (several parts), or, when `remote_ttl` is set and there are several parts, an EVAL of
+  `SET ... PX` per part (MSET takes no expiry, and MSET then PEXPIRE could leave parts without
+  one if the connection broke in between). `chunk_write_command` builds it for every tier.
 
 Two transports carry the same commands. For a plain single-node `redis.Redis` the bulk
-commands (EXISTS, GET, SET, MSET, PEXPIRE) go through `wire.BulkPipeline` on redis-py's own
+commands (EXISTS, GET, SET, MSET, EVAL) go through `wire.BulkPipeline` on redis-py's own
 pooled connections: values leave as memoryviews of the chunk buffers (no packer copy) and GET
 replies are received into the chunk's own memory when the value is stored raw, otherwise into
 a reused arena. Any other client (Redis Cluster) uses redis-py's pipeline. Either way a reply
@@ -49,6 +52,38 @@ logger = logging.getLogger(__name__)
 #: enough that the encoded values and receive arena of one batch stay a modest memory cost.
 _WINDOW_BYTES = 64 * 1024 * 1024
 _KEY_CACHE_SIZE = 65536  # chunks whose keys are kept built (a few MiB at most)
+
+
+#: Writes every part of a chunk with the same expiry in one atomic step (a script runs whole).
+SET_PARTS_PX = (
+    "for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i], 'PX', ARGV[#KEYS + 1]) end "
+    "return #KEYS"
+)
+
+
+def chunk_write_command(keys: Sequence[str], values: Sequence[Any], ttl_ms: int | None,
+                        *, script: bool = False) -> tuple[Any, ...]:
+    """The one command that writes a chunk's values under its keys atomically (see above).
+
+    Its first key is always at index 1, or at index 3 for EVAL (`command_key`). `script`
+    forces the EVAL form (the access check probes it even for a one-value chunk)."""
+    if script and ttl_ms is not None:
+        return ("EVAL", SET_PARTS_PX, len(keys), *keys, *values, ttl_ms)
+    if len(keys) == 1:
+        return ("SET", keys[0], values[0]) if ttl_ms is None else (
+            "SET", keys[0], values[0], "PX", ttl_ms)
+    if ttl_ms is None:
+        return ("MSET", *(x for kv in zip(keys, values, strict=True) for x in kv))
+    return ("EVAL", SET_PARTS_PX, len(keys), *keys, *values, ttl_ms)
+
+
+def command_key(command: Sequence[Any]) -> Any:
+    """The first key a command touches (what routes it on a cluster)."""
+    return command[3] if command[0] == "EVAL" else command[1]
+
+
+class IncompleteChunkError(CorruptEntryError):
+    """A chunk's head is there but a part is gone: eviction or expiry, not damage."""
 
 
 def _nbytes(value: Any) -> int:
@@ -230,13 +265,7 @@ class RedisTier(StorageTier):
                 return self.wire.execute(self._write_commands(batch))
             pipe = self.client.pipeline(transaction=False)
             for keys, values in batch:
-                if len(keys) == 1:
-                    pipe.set(keys[0], values[0], px=self._ttl_ms)
-                    continue
-                pipe.mset(dict(zip(keys, values, strict=True)))
-                if self._ttl_ms is not None:
-                    for key in keys:
-                        pipe.pexpire(key, self._ttl_ms)
+                pipe.execute_command(*chunk_write_command(keys, values, self._ttl_ms))
             return pipe.execute()
 
         self.caller.call(op)
@@ -245,17 +274,9 @@ class RedisTier(StorageTier):
         self.metrics.inc("remote.written_bytes", nbytes)
         return len(batch)
 
-    def _write_commands(self, batch: Sequence[tuple[list[str], list[Any]]]) -> list[list[Any]]:
-        commands: list[list[Any]] = []
-        for keys, values in batch:
-            if len(keys) == 1:
-                ttl = [] if self._ttl_ms is None else ["PX", self._ttl_ms]
-                commands.append(["SET", keys[0], values[0], *ttl])
-                continue
-            commands.append(["MSET", *(x for kv in zip(keys, values, strict=True) for x in kv)])
-            if self._ttl_ms is not None:
-                commands.extend(["PEXPIRE", key, self._ttl_ms] for key in keys)
-        return commands
+    def _write_commands(self, batch: Sequence[tuple[list[str], list[Any]]]
+                        ) -> list[tuple[Any, ...]]:
+        return [chunk_write_command(keys, values, self._ttl_ms) for keys, values in batch]
 
     # -- the fast read path -----------------------------------------------------------------
 
@@ -331,16 +352,8 @@ class RedisTier(StorageTier):
             return False
         try:
             head = values[0]
-            header = self.serde.read_header(head[0] if isinstance(head, list) else head)
-            if header.num_tokens != spec.num_tokens:
-                raise CorruptEntryError(
-                    f"value holds {header.num_tokens} tokens, its key names {spec.num_tokens}"
-                )
-            if len(header.parts) != len(values):  # written with another part size
-                refetched = self._fetch([spec.key.part_keys(self.prefix, len(header.parts))])[0]
-                values = list(refetched)
-            if any(v is None for v in values):
-                raise CorruptEntryError("a part of the chunk is missing")
+            header = self._read_header(spec, head[0] if isinstance(head, list) else head)
+            values = self._all_parts(spec, header, values)
             stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
             self.serde.decode_parts_into(
                 header, stored, obj.tensor, spec.key.hash_bytes,
@@ -379,15 +392,8 @@ class RedisTier(StorageTier):
             self.metrics.inc("remote.miss_chunks")
             return None
         try:
-            header = self.serde.read_header(values[0])
-            if header.num_tokens != spec.num_tokens:
-                raise CorruptEntryError(
-                    f"value holds {header.num_tokens} tokens, its key names {spec.num_tokens}"
-                )
-            if len(header.parts) != len(values):
-                values = self._fetch([spec.key.part_keys(self.prefix, len(header.parts))])[0]
-            if any(v is None for v in values):
-                raise CorruptEntryError("a part of the chunk is missing")
+            header = self._read_header(spec, values[0])
+            values = self._all_parts(spec, header, values)
             obj = self.pool.allocate(self.layout.shape(spec.num_tokens), self.layout.dtype)
             if obj is None:
                 self.metrics.inc("remote.pool_full")
@@ -408,9 +414,35 @@ class RedisTier(StorageTier):
         self.metrics.inc("remote.read_bytes", sum(len(v) for v in values if v is not None))
         return obj
 
+    def _read_header(self, spec: ChunkSpec, value0: Any) -> ValueHeader:
+        header = self.serde.read_header(value0)
+        if header.num_tokens != spec.num_tokens:
+            raise CorruptEntryError(
+                f"value holds {header.num_tokens} tokens, its key names {spec.num_tokens}"
+            )
+        return header
+
+    def _all_parts(self, spec: ChunkSpec, header: ValueHeader, values: list[Any]) -> list[Any]:
+        """Every value the header lists: fetched again when the chunk was written with another
+        part size. A part missing where the header agrees with ours was evicted or expired
+        (`IncompleteChunkError`); one missing after a header that lists more is damage."""
+        if len(header.parts) != len(values):
+            values = list(self._fetch([spec.key.part_keys(self.prefix, len(header.parts))])[0])
+            if any(v is None for v in values):
+                raise CorruptEntryError("the header lists parts that are not there")
+        elif any(v is None for v in values):
+            raise IncompleteChunkError("a part of the chunk is missing (evicted or expired)")
+        return values
+
     def _drop_corrupt(self, spec: ChunkSpec, exc: CorruptEntryError) -> None:
-        self.metrics.inc("remote.corrupt_chunks")
-        self._log.warning("corrupt", "dropping corrupt chunk %s: %s", spec.key.chunk_hash, exc)
+        """Count a bad chunk (incomplete: a part evicted; else damaged) and delete its values."""
+        if isinstance(exc, IncompleteChunkError):
+            self.metrics.inc("remote.incomplete_chunks")
+            logger.debug("dropping incomplete chunk %s: %s", spec.key.chunk_hash, exc)
+        else:
+            self.metrics.inc("remote.corrupt_chunks")
+            self._log.warning("corrupt", "dropping corrupt chunk %s: %s",
+                              spec.key.chunk_hash, exc)
         try:
             self.delete([spec.key])
         except Exception as err:  # a failed clean-up must not turn a miss into an error
