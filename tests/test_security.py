@@ -132,6 +132,12 @@ def test_cli_reports_a_user_without_rights(acl_server: RedisServer, key_prefix: 
     assert result.exit_code == 1
     assert "permission denied" in result.stderr and "'scan'" in result.stderr
     assert PASSWORD not in result.stdout + result.stderr
+    # ping answers (the server is there) but says this user cannot use the cache, and exits 1
+    result = run("ping", "--url", url, "--prefix", key_prefix, "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["access"] != "ok" and "SET" in doc["access"]
+    assert PASSWORD not in result.stdout + result.stderr
 
 
 # -- TLS -----------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ snapshot files raise `SnapshotError` with the byte offset; file-system errors st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,9 +39,15 @@ from lmcache_remote.admin.transfer import (
     verify_snapshot,
 )
 from lmcache_remote.config import CacheConfig, mask_url
-from lmcache_remote.errors import CorruptEntryError, KeyFormatError, LmcrError
+from lmcache_remote.errors import (
+    BackendPermissionError,
+    CorruptEntryError,
+    KeyFormatError,
+    LmcrError,
+)
 from lmcache_remote.keys import CacheEngineKey, split_part_key
 from lmcache_remote.serde import Serde, dtype_name
+from lmcache_remote.storage.access import check_access
 from lmcache_remote.storage.client import make_client, translate
 
 __all__ = [
@@ -106,8 +113,15 @@ class CacheAdmin:
     # -- reading ------------------------------------------------------------------------------
 
     def ping(self) -> ServerInfo:
+        """The server, and whether this user may use the cache (`storage.access`): a refused
+        command is reported in `access`, not raised, since the server itself answered."""
         with _translated(self.url):
-            return server_info(self.client, self.config.remote_ttl)
+            info = server_info(self.client, self.config.remote_ttl)
+        try:
+            check_access(self.config)
+        except BackendPermissionError as exc:
+            return dataclasses.replace(info, access=mask_url(str(exc)))
+        return info
 
     def stats(self, flt: EntryFilter | None = None, progress: Progress = None) -> dict[str, Any]:
         with _translated(self.url):

@@ -30,6 +30,8 @@ class ServerInfo:
     maxmemory: int
     maxmemory_policy: str | None
     warnings: tuple[str, ...]
+    access: str = "ok"
+    """`ok`, or why this user may not use the cache (the commands Redis refused)."""
 
 
 def eviction_warnings(policy: str | None, maxmemory: int, ttl: float | None) -> list[str]:
