@@ -193,9 +193,7 @@ class ClusterRedisTier(RedisTier):
     def delete(self, keys: Sequence[CacheEngineKey]) -> int:
         if not keys:
             return 0
-        full = self._nparts(self.config.chunk_size)
-        names = [k for key in keys for k in key.part_keys(self.prefix, full)]
-        heads = {key.redis_key(self.prefix) for key in keys}
+        names, heads = self._delete_names(keys)
         results = self._run([("UNLINK", name) for name in names], "delete")
         failed = sum(1 for r in results if r is FAILED or isinstance(r, Exception))
         if failed:

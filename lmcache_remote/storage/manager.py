@@ -132,12 +132,7 @@ class WriteBehindQueue:
 
     def _write(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
         try:
-            _timed(self._metrics, "remote.put_seconds", self._remote.put, keys, objs)
-            self._metrics.inc("remote.stored_tokens", sum(_num_tokens(o) for o in objs))
-        except BackendError as exc:
-            self._metrics.inc("remote.dropped_chunks", len(keys))
-            note_remote_failure(self._metrics, self._log, "write", exc,
-                                "dropped %d chunk writes: %s", len(keys), exc)
+            put_remote(self._remote, self._metrics, self._log, keys, objs)
         except Exception:  # the thread must survive anything one batch does
             self._metrics.inc("remote.errors")
             self._metrics.inc("remote.dropped_chunks", len(keys))
@@ -273,15 +268,7 @@ class StorageManager:
         rkeys, robjs = [k for k, _ in remote], [o for _, o in remote]
         if self.queue is not None:
             return self.queue.submit(rkeys, robjs)
-        try:
-            _timed(self.metrics, "remote.put_seconds", self.remote.put, rkeys, robjs)
-            self.metrics.inc("remote.stored_tokens", sum(_num_tokens(o) for o in robjs))
-        except BackendError as exc:
-            self.metrics.inc("remote.dropped_chunks", len(rkeys))
-            note_remote_failure(self.metrics, self._log, "write", exc,
-                                "dropped %d chunk writes: %s", len(rkeys), exc)
-            return False
-        return True
+        return put_remote(self.remote, self.metrics, self._log, rkeys, robjs)
 
     def check_remote(self) -> None:
         """`storage.access.check_access` on the configured Redis (nothing without one); on
@@ -340,6 +327,20 @@ def note_remote_failure(metrics: Metrics, log: RateLimitedLogger, what: str, exc
                   "check the ACL user, see docs/reliability.md", *args)
     else:
         log.warning(what, msg, *args)
+
+
+def put_remote(remote: RedisTier, metrics: Metrics, log: RateLimitedLogger,
+               keys: list[CacheEngineKey], objs: list[MemoryObj]) -> bool:
+    """Write chunks to Redis now, timed and counted; a failure is a counted, logged drop."""
+    try:
+        _timed(metrics, "remote.put_seconds", remote.put, keys, objs)
+    except BackendError as exc:
+        metrics.inc("remote.dropped_chunks", len(keys))
+        note_remote_failure(metrics, log, "write", exc, "dropped %d chunk writes: %s",
+                            len(keys), exc)
+        return False
+    metrics.inc("remote.stored_tokens", sum(_num_tokens(o) for o in objs))
+    return True
 
 
 def _timed(metrics: Metrics, name: str, fn: Callable[..., T], *args: Any) -> T:

@@ -86,6 +86,15 @@ class IncompleteChunkError(CorruptEntryError):
     """A chunk's head is there but a part is gone: eviction or expiry, not damage."""
 
 
+def _regroup(flat: Sequence[Any], key_lists: Sequence[Sequence[str]]) -> list[list[Any]]:
+    """One list of replies per chunk, from the replies of all its keys in a row."""
+    out, pos = [], 0
+    for keys in key_lists:
+        out.append(list(flat[pos:pos + len(keys)]))
+        pos += len(keys)
+    return out
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, tuple):
         return sum(len(memoryview(v)) for v in value)
@@ -211,9 +220,7 @@ class RedisTier(StorageTier):
     def delete(self, keys: Sequence[CacheEngineKey]) -> int:
         if not keys:
             return 0
-        full = self._nparts(self.config.chunk_size)
-        names = [k for key in keys for k in key.part_keys(self.prefix, full)]
-        heads = {key.redis_key(self.prefix) for key in keys}
+        names, heads = self._delete_names(keys)
 
         def op() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
@@ -223,6 +230,13 @@ class RedisTier(StorageTier):
 
         results = self.caller.call(op)
         return sum(int(r) for n, r in zip(names, results, strict=True) if n in heads)
+
+    def _delete_names(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str], set[str]]:
+        """Every value key the chunks may have (as many parts as a full chunk), and the heads
+        (whose count is the number of chunks deleted)."""
+        full = self._nparts(self.config.chunk_size)
+        names = [k for key in keys for k in key.part_keys(self.prefix, full)]
+        return names, {key.redis_key(self.prefix) for key in keys}
 
     def close(self) -> None:
         self.serde.close()
@@ -252,12 +266,7 @@ class RedisTier(StorageTier):
                     pipe.get(key)
             return pipe.execute()
 
-        flat = self.caller.call(op)
-        out, pos = [], 0
-        for keys in key_lists:
-            out.append(flat[pos:pos + len(keys)])
-            pos += len(keys)
-        return out
+        return _regroup(self.caller.call(op), key_lists)
 
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> int:
         def op() -> list[Any]:
@@ -338,12 +347,7 @@ class RedisTier(StorageTier):
             flat = [("GET", key) for keys in key_lists for key in keys]
             return self.wire.execute(flat, sink)
 
-        flat = self.caller.call(op)
-        out, pos = [], 0
-        for keys in key_lists:
-            out.append(flat[pos:pos + len(keys)])
-            pos += len(keys)
-        return out
+        return _regroup(self.caller.call(op), key_lists)
 
     def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply]) -> bool:
         """Checks and decodes one chunk's replies into ``obj``; False for a miss or a bad one."""
