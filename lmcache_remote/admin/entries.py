@@ -21,7 +21,7 @@ import redis
 
 from lmcache_remote.admin.filters import EntryFilter
 from lmcache_remote.errors import CorruptEntryError
-from lmcache_remote.keys import CacheEngineKey, split_part_key
+from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.serde import HEADER_FIXED, Serde, ValueHeader, header_nbytes
 from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches
 
@@ -55,22 +55,12 @@ class Entry:
         return self.header.num_tokens if self.header is not None else None
 
 
-def parse_chunk_key(prefix: str, raw: bytes) -> CacheEngineKey | None:
-    """The chunk key of a value-0 key, None for a part key or anything unparsable."""
-    try:
-        key, index = split_part_key(prefix, raw)
-    except ValueError:  # KeyFormatError, or a malformed number in a foreign key
-        return None
-    return key if index == 0 else None
-
-
 def iter_entry_batches(
     client: Any, prefix: str, flt: EntryFilter, count: int = DEFAULT_COUNT
 ) -> Iterator[tuple[redis.Redis, list[bytes], list[Entry]]]:
     """Per SCAN page: (node client, every key of the page, the page's matching entries)."""
     for node, keys in scan_batches(client, flt.pattern(prefix), count):
-        heads = [(raw, k) for raw in keys if (k := parse_chunk_key(prefix, raw)) is not None]
-        heads = [(raw, k) for raw, k in heads if flt.matches_key(k)]
+        heads = [(raw, k) for raw, k, index in flt.matching_values(prefix, keys) if index == 0]
         entries = load_entries(node, prefix, heads) if heads else []
         yield node, keys, [e for e in entries if flt.matches_idle(e.idle_seconds)]
 

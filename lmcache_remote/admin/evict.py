@@ -16,7 +16,6 @@ from typing import Any
 
 from lmcache_remote.admin.entries import iter_entry_batches
 from lmcache_remote.admin.filters import EntryFilter
-from lmcache_remote.keys import split_part_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +41,8 @@ def plan_eviction(client: Any, prefix: str, flt: EntryFilter,
 
 
 def _stray_parts(prefix: str, keys: list[bytes], flt: EntryFilter) -> list[bytes]:
-    out = []
-    for raw in keys:
-        try:
-            key, index = split_part_key(prefix, raw)
-        except ValueError:  # KeyFormatError, or a malformed number in a foreign key
-            continue
-        if index > 0 and flt.matches_key(key):
-            out.append(raw)
-    return out
+    """Part keys of matching chunks (their head may already be gone)."""
+    return [raw for raw, _, index in flt.matching_values(prefix, keys) if index > 0]
 
 
 def evict(client: Any, prefix: str, flt: EntryFilter,

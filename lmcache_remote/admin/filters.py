@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 
 from lmcache_remote.hashing import chunk_hashes, tokens_to_array
-from lmcache_remote.keys import CacheEngineKey, scan_pattern
+from lmcache_remote.keys import CacheEngineKey, scan_pattern, split_part_key
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -73,6 +73,20 @@ class EntryFilter:
             and (self.dtype is None or key.dtype == self.dtype)
             and (self.chunk_hashes is None or key.chunk_hash in self.chunk_hashes)
         )
+
+    def matching_values(self, prefix: str, raw_keys: Iterable[bytes]
+                        ) -> list[tuple[bytes, CacheEngineKey, int]]:
+        """(raw key, chunk key, part index) of every value key that parses under `prefix` and
+        whose chunk passes the key filter; foreign and malformed keys are left out."""
+        out = []
+        for raw in raw_keys:
+            try:
+                key, index = split_part_key(prefix, raw)
+            except ValueError:  # KeyFormatError, or a malformed number in a foreign key
+                continue
+            if self.matches_key(key):
+                out.append((raw, key, index))
+        return out
 
     def matches_idle(self, idle_seconds: int | None) -> bool:
         """With `older_than`, an unknown idle time (LFU policy) never matches."""

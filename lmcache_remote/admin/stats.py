@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from lmcache_remote.admin.filters import EntryFilter
-from lmcache_remote.keys import split_part_key
 from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches, scan_nodes
 
 GroupKey = tuple[str, int, int, str]
@@ -37,14 +36,7 @@ def group_stats(client: Any, prefix: str, flt: EntryFilter | None = None,
     flt = flt or EntryFilter()
     groups: dict[GroupKey, GroupStats] = {}
     for node, raw_keys in scan_batches(client, flt.pattern(prefix), count):
-        parsed = []
-        for raw in raw_keys:
-            try:
-                key, index = split_part_key(prefix, raw)
-            except ValueError:  # KeyFormatError, or a malformed number in a foreign key
-                continue
-            if flt.matches_key(key):
-                parsed.append((raw, key, index))
+        parsed = flt.matching_values(prefix, raw_keys)
         pipe = node.pipeline(transaction=False)
         for raw, _, _ in parsed:
             pipe.strlen(raw)
