@@ -3,6 +3,7 @@ independent (slow, obvious) way to read a token's KV out of a cache for comparis
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -94,3 +95,24 @@ def view(kind: str, dtype: torch.dtype, n: int, seed: int | None, slot_seed: int
 def tokens(n: int, seed: int = 0) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 50_000, (n,), generator=gen).tolist()
+
+
+def reference_hashes(tokens: list[int], chunk: int, salt: str | None = None) -> list[str]:
+    """DESIGN.md's chunk hash, written the slow obvious way with hashlib alone (every chunk,
+    the last partial one included), as 32-hex-digit strings."""
+    prev = bytes(16) if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    out = []
+    for i in range(0, len(tokens), chunk):
+        data = b"".join(t.to_bytes(4, "little") for t in tokens[i:i + chunk])
+        prev = hashlib.blake2b(prev + data, digest_size=16).digest()
+        out.append(prev.hex())
+    return out
+
+
+def reference_keys(toks: list[int], prefix: str, model: str = "test/model",
+                   dtype: str = "bfloat16", salt: str | None = None, chunk: int = 256
+                   ) -> list[str]:
+    """The Redis keys of DESIGN.md for the full chunks of `toks` (world size 1, worker 0)."""
+    full = toks[: len(toks) - len(toks) % chunk]
+    return [f"{prefix}:v1:{model}:1:0:{dtype}:{{{h}}}"
+            for h in reference_hashes(full, chunk, salt)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -12,25 +11,13 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from kvutil import SENTINEL, engine, metadata, tokens, view
+from kvutil import SENTINEL, engine, metadata, reference_keys, tokens, view
 
 from lmcache_remote import CacheEngineKey
 
 HERE = Path(__file__).parent
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 KINDS = ["kv_split", "packed", "dense"]
-
-
-def spec_keys(toks: list[int], prefix: str, model: str = "test/model", dtype: str = "bfloat16",
-              salt: str | None = None, chunk: int = 256) -> list[str]:
-    """The chunk keys of DESIGN.md, computed here with hashlib alone."""
-    prev = bytes(16) if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    keys = []
-    for i in range(0, len(toks) - len(toks) % chunk, chunk):
-        data = b"".join(t.to_bytes(4, "little") for t in toks[i:i + chunk])
-        prev = hashlib.blake2b(prev + data, digest_size=16).digest()
-        keys.append(f"{prefix}:v1:{model}:1:0:{dtype}:{{{prev.hex()}}}")
-    return keys
 
 
 def chunk_heads(client: redis.Redis, prefix: str) -> set[str]:
@@ -65,7 +52,7 @@ def test_keys_in_redis_follow_the_hash_spec(redis_url: str, redis_client: redis.
     with engine(redis_url, key_prefix) as e:
         e.store(toks, src)
         e.flush()
-    assert chunk_heads(redis_client, key_prefix) == set(spec_keys(toks, key_prefix))
+    assert chunk_heads(redis_client, key_prefix) == set(reference_keys(toks, key_prefix))
 
 
 def run_worker(*args: str, seed: str = "0") -> dict:
@@ -106,7 +93,7 @@ def test_deleted_or_damaged_chunk_cuts_the_hit(redis_url: str, redis_client: red
     meta = metadata(torch.float16)
     with engine(redis_url, key_prefix, meta, store_async=False, serde="raw") as e:
         assert e.store(toks, src) == 1024
-    keys = spec_keys(toks, key_prefix, dtype="float16")
+    keys = reference_keys(toks, key_prefix, dtype="float16")
     # damage chunk 2 in place (same length), delete chunk 3
     value = bytearray(redis_client.get(keys[2]))
     value[-5] ^= 0x40
@@ -153,7 +140,7 @@ def test_mask_stores_and_loads_only_the_true_part(redis_url: str, redis_client: 
     mask[:512] = False
     with engine(redis_url, key_prefix, store_async=False) as e:
         assert e.store(toks, src, mask) == 512
-    keys = spec_keys(toks, key_prefix)
+    keys = reference_keys(toks, key_prefix)
     assert chunk_heads(redis_client, key_prefix) == set(keys[2:])
     with engine(redis_url, key_prefix, local_cpu=False) as e:
         dst, read_dst = view("kv_split", torch.bfloat16, 1024, seed=None, slot_seed=3)
@@ -228,7 +215,7 @@ def test_multi_part_values_round_trip_and_missing_part_cuts(
     meta = metadata(torch.float32)
     with engine(redis_url, key_prefix, meta, store_async=False, remote_part_size=8192) as e:
         assert e.store(toks, src) == 768
-    keys = spec_keys(toks, key_prefix, dtype="float32")
+    keys = reference_keys(toks, key_prefix, dtype="float32")
     assert redis_client.exists(keys[0] + "#1", keys[0] + "#3") == 2
     redis_client.delete(keys[1] + "#2")
     with engine(redis_url, key_prefix, meta, local_cpu=False, remote_part_size=8192) as e:
@@ -250,7 +237,7 @@ def test_ttl_reaches_every_part_in_one_write(redis_url: str, redis_client: redis
     with engine(redis_url, key_prefix, meta, store_async=False, remote_part_size=8192,
                 remote_ttl=600, serde=serde) as e:
         assert e.store(toks, src) == 512
-    for head in spec_keys(toks, key_prefix, dtype="float32"):
+    for head in reference_keys(toks, key_prefix, dtype="float32"):
         parts = [head] + [f"{head}#{i}" for i in range(1, 4)]
         ttls = [redis_client.pttl(k) for k in parts]
         assert all(590_000 < t <= 600_000 for t in ttls), ttls
@@ -267,6 +254,6 @@ def test_retrieve_rejects_mismatched_view(redis_url: str, key_prefix: str) -> No
 
 
 def test_key_string_round_trip_matches_redis_key(redis_url: str, key_prefix: str) -> None:
-    keys = spec_keys(tokens(256), key_prefix)
+    keys = reference_keys(tokens(256), key_prefix)
     key = CacheEngineKey.from_redis_key(key_prefix, keys[0])
     assert key.redis_key(key_prefix) == keys[0]

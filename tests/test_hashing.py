@@ -1,25 +1,13 @@
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pytest
 import torch
+from kvutil import reference_hashes
 
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase, chunk_hashes, tokens_to_array
 
 NS = KeyNamespace("m", 1, 0, "bfloat16")
-
-
-def reference_hashes(tokens: list[int], chunk: int, salt: str | None = None) -> list[str]:
-    """DESIGN.md's spec, written the slow obvious way."""
-    prev = bytes(16) if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    out = []
-    for i in range(0, len(tokens), chunk):
-        data = b"".join(t.to_bytes(4, "little") for t in tokens[i:i + chunk])
-        prev = hashlib.blake2b(prev + data, digest_size=16).digest()
-        out.append(prev.hex())
-    return out
 
 
 @pytest.mark.parametrize("salt", [None, "tenant-a", "ünïcode"])

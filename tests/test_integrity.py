@@ -9,7 +9,6 @@ alone for the checksums), written under real keys of a real Redis, and read by a
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import random
 import struct
@@ -22,7 +21,7 @@ import xxhash
 from faultkit import check_retrieve, det_kv, det_planes, sentinel_kv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvutil import engine
+from kvutil import engine, reference_keys
 
 from lmcache_remote import CacheEngine, CacheEngineKey, KeyFormatError
 from lmcache_remote.keys import split_part_key
@@ -36,17 +35,6 @@ Values = list[bytes]
 # docs/value-format.md: offsets in the header
 OFF_VERSION, OFF_DTYPE, OFF_SHAPE, OFF_TOKENS, OFF_HASH, OFF_PART_COUNT = 4, 6, 8, 40, 44, 76
 CODE_FLOAT16 = 2
-
-
-def chunk_keys(toks: list[int], prefix: str, salt: str | None = None) -> list[str]:
-    """The chunk keys of DESIGN.md, computed with hashlib alone."""
-    prev = bytes(16) if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    keys = []
-    for i in range(0, len(toks) - len(toks) % CHUNK, CHUNK):
-        data = b"".join(t.to_bytes(4, "little") for t in toks[i:i + CHUNK])
-        prev = hashlib.blake2b(prev + data, digest_size=16).digest()
-        keys.append(f"{prefix}:v1:{MODEL}:1:0:bfloat16:{{{prev.hex()}}}")
-    return keys
 
 
 def header_len(value0: bytes) -> int:
@@ -82,7 +70,7 @@ class Stored:
         self.toks = [random.Random(31).randrange(50_000) for _ in range(N_CHUNKS * CHUNK)]
         with engine(url, prefix, store_async=False, **cfg) as w:
             assert w.store(self.toks, det_kv(self.toks)) == len(self.toks)
-        self.keys = chunk_keys(self.toks, prefix)
+        self.keys = reference_keys(self.toks, prefix, MODEL, chunk=CHUNK)
         self.good = [self.read(k) for k in self.keys]
         assert all(self.good)
         self.reader: CacheEngine = engine(url, prefix, local_cpu=False, **cfg)
