@@ -32,8 +32,12 @@ into the staging tensor, tokens in range order (chunk-major), then one copy per 
 slice into the destination (device -> pinned host, non_blocking). Scatter runs the same steps
 backwards (host -> device copies into staging, then one `index_put_` per layer). A single range
 is never split, so one range may exceed the staging bound. No Python loop runs per token.
-`DenseKV` on the CPU skips the staging tensor: one 2-D copy per range, layer, K/V plane and
-head straight between the cache and the chunk (the staging copy cost ~20x on 32 MiB chunks).
+On the CPU the staging tensor is skipped: `DenseKV` makes one 2-D copy per range, layer, K/V
+plane and head straight between the cache and the chunk (the staging copy cost ~20x on 32 MiB
+chunks); a contiguous `kv_split` or `mla` `PagedKV` makes one `index_select` / `index_copy_`
+of rows per range, layer and plane, whole blocks at a time where the range covers whole blocks
+in order (vLLM's usual mapping), single slots otherwise (~4x faster than staging on 32 MiB
+chunks). `packed` caches and strided caches take the staging path.
 """
 
 from __future__ import annotations
@@ -294,6 +298,49 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
 
     def _put(self, layer: int, index: list[torch.Tensor | None], src: torch.Tensor) -> None:
         torch.ops.aten.index_put_(self._layers[layer], index, src)
+
+    def _copy_group(
+        self, layers: range, group: list[tuple[Range, torch.Tensor]], to_host: bool
+    ) -> None:
+        """On the CPU, `kv_split` and `mla` caches copy rows straight between the cache and
+        the chunks, no staging tensor (a fresh staging allocation and a second copy cost ~4x
+        on 32 MiB chunks): a chunk's `[layer, plane]` part is `[tokens, heads * head_size]`
+        rows, one `index_select` / `index_copy_` per range, layer and plane, whole blocks at
+        a time when the range covers whole blocks in order."""
+        if not self._rows_direct():
+            super()._copy_group(layers, group, to_host)
+            return
+        for (start, end), host in group:
+            rows, index = self._row_index(self._slots[start:end])
+            for layer in layers:
+                cache = self._layers[layer]
+                planes = (cache[0], cache[1]) if self.layout == "kv_split" else (cache,)
+                for plane, cache_plane in enumerate(planes):
+                    cache_rows = cache_plane.view(rows, -1)
+                    chunk_rows = host[layer, plane].view(index.numel(), -1)
+                    if to_host:
+                        torch.index_select(cache_rows, 0, index, out=chunk_rows)
+                    else:
+                        cache_rows.index_copy_(0, index, chunk_rows)
+
+    def _rows_direct(self) -> bool:
+        return (
+            self.device.type == "cpu"
+            and self.layout != "packed"
+            and all(t.is_contiguous() for t in self._layers)
+        )
+
+    def _row_index(self, slots: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(rows per plane, row index): block ids when `slots` are whole blocks, each in
+        order from its first offset; slot ids otherwise."""
+        size = self.block_size
+        if len(slots) % size == 0 and len(slots):
+            per_block = slots.view(-1, size)
+            firsts = per_block[:, 0]
+            in_order = per_block - firsts[:, None] == torch.arange(size)
+            if bool((firsts % size == 0).all()) and bool(in_order.all()):
+                return self.num_blocks, torch.div(firsts, size, rounding_mode="floor")
+        return self.num_blocks * size, slots
 
     def _to_canonical(self, staged: torch.Tensor) -> torch.Tensor:
         if self.layout == "kv_split":

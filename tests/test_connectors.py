@@ -210,6 +210,37 @@ def test_round_trip_through_small_staging(layout: str) -> None:
     assert same_cache(dst, expected)
 
 
+def block_mapping(seed: int, *, reversed_block: int | None = None) -> list[int]:
+    """Slots of whole blocks in a random block order, each block's offsets in order (vLLM's
+    usual mapping), except block ``reversed_block``, whose offsets run backwards."""
+    order = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+    slots: list[int] = []
+    for i, block in enumerate(order):
+        offsets = range(BLOCK - 1, -1, -1) if i == reversed_block else range(BLOCK)
+        slots += [block * BLOCK + o for o in offsets]
+    return slots[:TOKENS]
+
+
+@pytest.mark.parametrize("reversed_block", [None, 1])
+@pytest.mark.parametrize("layout", PAGED)
+def test_whole_block_mappings(layout: str, reversed_block: int | None) -> None:
+    """Ranges of whole in-order blocks (copied block-wise on the CPU) and ranges that are not
+    (a partial last chunk, a range starting mid-block, a block whose offsets run backwards)
+    give the reference bytes both ways."""
+    ranges = [*RANGES, (2, 10)]
+    src = make_paged(layout, torch.bfloat16, seed=30)
+    src.slots = block_mapping(31, reversed_block=reversed_block)
+    chunks = gather_all(src.view(), ranges)
+    assert all(same(c, reference_chunk(src, *r)) for r, c in zip(ranges, chunks, strict=True))
+    dst = make_paged(layout, torch.bfloat16, seed=32, random=False)
+    dst.slots = block_mapping(33, reversed_block=reversed_block)
+    written = [ranges[0], ranges[2], ranges[1]]
+    srcs = [chunks[0], chunks[2], chunks[1]]
+    expected = expected_after_scatter(dst, written, srcs)
+    dst.view().scatter(written, srcs)
+    assert same_cache(dst, expected)
+
+
 # -- cross-layout ------------------------------------------------------------------------
 
 
