@@ -82,6 +82,85 @@ def test_error_replies_are_raised_after_reading_everything(
     client.close()
 
 
+def _streaming_batch(prefix: str, client: redis.Redis) -> tuple[list[tuple], list[int], list]:
+    """GETs of values of several sizes, a missing key and a key of the wrong type, with their
+    expected replies (bytes, None, or the error class)."""
+    commands: list[tuple] = []
+    sizes: list[int] = []
+    expected: list = []
+    for i in range(30):
+        value = bytes([i]) * (300_000 if i % 3 == 0 else 70_000 + i)
+        client.set(f"{prefix}:v{i}", value)
+        commands.append(("GET", f"{prefix}:v{i}"))
+        sizes.append(len(value))
+        expected.append(value)
+    client.rpush(f"{prefix}:list", b"x")
+    commands[7:7] = [("GET", f"{prefix}:missing"), ("GET", f"{prefix}:list")]
+    sizes[7:7] = [0, 0]
+    expected[7:7] = [None, redis.ResponseError]
+    return commands, sizes, expected
+
+
+def test_streamed_batch_reads_what_a_plain_batch_reads(redis_url: str, key_prefix: str) -> None:
+    """Commands sent as replies come in give the same replies, in place where the sink says,
+    raise an error reply only after reading everything, and leave the connection in step."""
+    client = _client(redis_url)
+    commands, sizes, expected = _streaming_batch(key_prefix, client)
+    ok = [i for i, e in enumerate(expected) if isinstance(e, bytes)]
+    wire = BulkPipeline(client)
+    dests = {i: memoryview(bytearray(sizes[i])) for i in ok}
+    for inflight in (1, 200_000, 650_000, 10**9):
+        for dest in dests.values():
+            dest[:] = bytes(len(dest))
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            wire.execute(commands, lambda i, n: dests.get(i), reply_sizes=sizes,
+                         inflight_bytes=inflight)
+        assert all(bytes(dests[i]) == expected[i] for i in ok), inflight
+    good = [commands[i] for i in range(len(commands)) if i != 8]
+    replies = wire.execute(good, reply_sizes=[s for i, s in enumerate(sizes) if i != 8],
+                           inflight_bytes=400_000)
+    assert [None if r is None else bytes(r) for r in replies] == [  # type: ignore[arg-type]
+        e for i, e in enumerate(expected) if i != 8]
+    with pytest.raises(ValueError, match="reply sizes"):
+        wire.execute(good, reply_sizes=sizes[:3], inflight_bytes=1)
+    assert bytes(wire.execute([("GET", f"{key_prefix}:v1")])[0]) == expected[1]  # type: ignore
+    client.close()
+
+
+def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
+    redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each send goes out only when the replies asked for and not yet read stay within
+    ``inflight_bytes`` (or nothing is out: one command always goes)."""
+    from lmcache_remote.storage import wire as wire_mod
+
+    client = _client(redis_url)
+    commands, sizes, _ = _streaming_batch(key_prefix, client)
+    del commands[8], sizes[8]
+    read = [0]
+    events: list[tuple[int, int]] = []  # (replies read, commands sent so far) at each send
+    real_reply, real_send = wire_mod._Reader.reply, BulkPipeline._send
+
+    def reply(self, index, sink):  # type: ignore[no-untyped-def]
+        out = real_reply(self, index, sink)
+        read[0] += 1
+        return out
+
+    def send(sock, batch):  # type: ignore[no-untyped-def]
+        events.append((read[0], (events[-1][1] if events else 0) + len(batch)))
+        real_send(sock, batch)
+
+    monkeypatch.setattr(wire_mod._Reader, "reply", reply)
+    monkeypatch.setattr(BulkPipeline, "_send", staticmethod(send))
+    bound = 650_000
+    BulkPipeline(client).execute(commands, reply_sizes=sizes, inflight_bytes=bound)
+    assert events[-1][1] == len(commands) and len(events) > 3
+    for done, sent in events:
+        out = sizes[done:sent]
+        assert sent > done and (len(out) == 1 or sum(out) <= bound), (done, sent)
+    client.close()
+
+
 def test_noperm_and_oom_replies(redis_factory: object, key_prefix: str) -> None:
     server: RedisServer = redis_factory()  # type: ignore[operator]
     admin = server.client()

@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 #: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
 #: enough that the encoded values and receive arena of one batch stay a modest memory cost.
 _WINDOW_BYTES = 64 * 1024 * 1024
+#: Reply bytes asked for and not yet read on the fast read path: about two full parts, so
+#: Redis prepares the next reply while this side reads one, and never buffers a whole window.
+_INFLIGHT_BYTES = 8 * 1024 * 1024
 _KEY_CACHE_SIZE = 65536  # chunks whose keys are kept built (a few MiB at most)
 
 
@@ -342,12 +345,21 @@ class RedisTier(StorageTier):
             taken: memoryview = arena.take(length)
             return taken
 
+        sizes = [self._part_nbytes(s, p) for s, keys in zip(specs, key_lists, strict=True)
+                 for p in range(len(keys))]
+
         def op() -> list[Reply]:
             assert self.wire is not None
             flat = [("GET", key) for keys in key_lists for key in keys]
-            return self.wire.execute(flat, sink)
+            return self.wire.execute(flat, sink, reply_sizes=sizes,
+                                     inflight_bytes=_INFLIGHT_BYTES)
 
         return _regroup(self.caller.call(op), key_lists)
+
+    def _part_nbytes(self, spec: ChunkSpec, part: int) -> int:
+        """Raw bytes of part ``part`` of the chunk: what its GET is expected to return."""
+        total, size = self.layout.nbytes(spec.num_tokens), self.serde.part_size
+        return max(0, min(size, total - part * size))
 
     def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply]) -> bool:
         """Checks and decodes one chunk's replies into ``obj``; False for a miss or a bad one."""

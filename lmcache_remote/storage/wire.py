@@ -240,12 +240,22 @@ class BulkPipeline:
     def __init__(self, client: redis.Redis) -> None:
         self.pool = client.connection_pool
 
-    def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None) -> list[Reply]:
+    def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None, *,
+                reply_sizes: Sequence[int] | None = None, inflight_bytes: int = 0
+                ) -> list[Reply]:
+        """Runs the batch. With ``reply_sizes`` (the expected size of each reply) and
+        ``inflight_bytes``, commands are sent as the replies come in, so that the replies
+        asked for and not yet read add up to at most ``inflight_bytes`` (at least one command
+        is always out): Redis then never queues a whole batch of big replies in its output
+        buffers (memory it allocates and page-faults per batch), and it prepares the next reply
+        while this side reads the current one. Without them every command goes out first."""
         if not commands:
             return []
+        if reply_sizes is not None and len(reply_sizes) != len(commands):
+            raise ValueError(f"{len(reply_sizes)} reply sizes for {len(commands)} commands")
         conn = self.pool.get_connection()
         try:
-            replies = self._run(conn, commands, sink)
+            replies = self._run(conn, commands, sink, reply_sizes, inflight_bytes)
         except BaseException as exc:
             conn.disconnect()
             self.pool.release(conn)
@@ -260,14 +270,31 @@ class BulkPipeline:
                 raise reply
         return replies
 
-    def _run(self, conn: Any, commands: Sequence[Sequence[Any]], sink: Sink | None) -> list[Reply]:
+    def _run(self, conn: Any, commands: Sequence[Sequence[Any]], sink: Sink | None,
+             reply_sizes: Sequence[int] | None, inflight_bytes: int) -> list[Reply]:
         sock = conn._sock
         if sock is None:
             conn.connect()
             sock = conn._sock
-        self._send(sock, commands)
         reader = _Reader(sock)
-        replies = [reader.reply(i, sink) for i in range(len(commands))]
+        if reply_sizes is None or inflight_bytes <= 0:
+            self._send(sock, commands)
+            replies = [reader.reply(i, sink) for i in range(len(commands))]
+        else:
+            replies = []
+            sent = outstanding = 0
+            for i in range(len(commands)):
+                end = sent
+                while end < len(commands) and (
+                    end == i or outstanding + reply_sizes[end] <= inflight_bytes
+                ):
+                    outstanding += reply_sizes[end]
+                    end += 1
+                if end > sent:
+                    self._send(sock, commands[sent:end])
+                    sent = end
+                replies.append(reader.reply(i, sink))
+                outstanding -= reply_sizes[i]
         if reader.start != reader.end:
             raise redis.ConnectionError("protocol error: unexpected bytes after the replies")
         return replies
