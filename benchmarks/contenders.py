@@ -2,8 +2,8 @@
 interleaved (rep 1 of each contender, then rep 2 of each, ...) so that the load of a shared
 machine falls on all of them alike and their ratios stay meaningful.
 
-A contender has ``put()`` and ``get()`` (timed) and ``clean()`` (untimed: removes its keys,
-so only one contender's data sits in Redis at a time).
+A contender has ``put()`` and ``get()`` (timed) and ``clean()`` (untimed, right after its
+get: removes its keys, so every put starts on an empty server).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from benchmarks.data import CHUNK, Shape, same_kv
 from benchmarks.engine_rows import _config
 from benchmarks.limits import PlainSocket, split
 from benchmarks.server import LocalRedis
-from lmcache_remote import CacheEngine, DenseKV
+from lmcache_remote import CacheEngine, KVView
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.memory import MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics
@@ -117,7 +117,7 @@ def tier(server: LocalRedis, source: TierSource, codec: str) -> Contender:
                      lambda: t.delete(keys), check=check, after=after, close=t.close)
 
 
-def engine(server: LocalRedis, shape: Shape, kv: DenseKV, dest: DenseKV, num_tokens: int,
+def engine(server: LocalRedis, shape: Shape, kv: KVView, dest: KVView, num_tokens: int,
            codec: str) -> Contender:
     """A synchronous store and a Redis-hit retrieve (local tier off), KV copies included."""
     e = CacheEngine(_config(server.url, codec, store_async=False, local_cpu=False),
@@ -137,12 +137,18 @@ def engine(server: LocalRedis, shape: Shape, kv: DenseKV, dest: DenseKV, num_tok
                      check=lambda: same_kv(kv, dest, shape, num_tokens), close=e.close)
 
 
-def duel(contenders: Sequence[Contender], reps: int) -> dict[str, tuple[float, float]]:
-    """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each."""
+def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object]
+         ) -> dict[str, tuple[float, float]]:
+    """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each.
+    Every put starts on an empty server that has freed what the last contender wrote (its
+    ``clean``, then ``settle``, untimed): data left by one contender would change the server's
+    memory state, and so the speed, of the next."""
     times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in contenders}
+    for c in contenders:
+        c.clean()
     for rep in range(reps + 1):
         for c in contenders:
-            c.clean()
+            settle()
             start = time.perf_counter()
             c.put()
             middle = time.perf_counter()
@@ -154,7 +160,7 @@ def duel(contenders: Sequence[Contender], reps: int) -> dict[str, tuple[float, f
                 times[c.name][0].append(middle - start)
                 times[c.name][1].append(end - middle)
             c.after()
+            c.clean()
     for c in contenders:
-        c.clean()
         c.close()
     return {name: (statistics.median(p), statistics.median(g)) for name, (p, g) in times.items()}

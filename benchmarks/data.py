@@ -9,10 +9,12 @@ import dataclasses
 
 import torch
 
-from lmcache_remote import DenseKV, EngineMetadata
+from lmcache_remote import DenseKV, EngineMetadata, PagedKV
+from lmcache_remote.connectors import KVView
 from lmcache_remote.memory import ChunkLayout
 
 CHUNK = 256
+BLOCK = 16  # vLLM's default block size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,24 @@ def empty_dense(shape: Shape, num_tokens: int) -> DenseKV:
     return DenseKV([make() for _ in range(shape.layers)], [make() for _ in range(shape.layers)])
 
 
+def paged_like(dense: DenseKV, shape: Shape, num_tokens: int, seed: int) -> PagedKV:
+    """The same KV as ``dense`` in vLLM's paged layout (`kv_split`, one
+    `[2, num_blocks, 16, heads, head]` tensor per layer), its blocks in a random order among a
+    few spare ones, as vLLM's free-block queue hands them out."""
+    blocks = -(-num_tokens // BLOCK)
+    num_blocks = blocks + max(4, blocks // 8)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:blocks]
+    slots = (order[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:num_tokens]
+    caches = [torch.zeros(2, num_blocks, BLOCK, shape.kv_heads, shape.head, dtype=shape.dtype)
+              for _ in range(shape.layers)]
+    view = PagedKV(caches, slots)
+    ranges = [(i, min(i + CHUNK, num_tokens)) for i in range(0, num_tokens, CHUNK)]
+    chunks = [torch.empty(shape.layout.shape(e - s), dtype=shape.dtype) for s, e in ranges]
+    dense.gather(ranges, chunks)
+    view.scatter(ranges, chunks)
+    return view
+
+
 def chunk_tensor(kv: DenseKV, shape: Shape, index: int) -> torch.Tensor:
     """Chunk ``index`` of a dense KV in the canonical layout `[layers, 2, T, heads, head]`."""
     out = torch.empty(shape.layout.shape(CHUNK), dtype=shape.dtype)
@@ -69,11 +89,11 @@ def chunk_tensor(kv: DenseKV, shape: Shape, index: int) -> torch.Tensor:
     return out
 
 
-def same_kv(a: DenseKV, b: DenseKV, shape: Shape, num_tokens: int) -> bool:
+def same_kv(a: KVView, b: KVView, shape: Shape, num_tokens: int) -> bool:
     """Whether two dense KVs hold the same bytes for tokens [0, num_tokens)."""
     chunks = [(i, min(i + CHUNK, num_tokens)) for i in range(0, num_tokens, CHUNK)]
 
-    def canon(kv: DenseKV) -> list[torch.Tensor]:
+    def canon(kv: KVView) -> list[torch.Tensor]:
         outs = [torch.empty(shape.layout.shape(e - s), dtype=shape.dtype) for s, e in chunks]
         kv.gather(chunks, outs)
         return outs

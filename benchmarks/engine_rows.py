@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.data import CHUNK, Shape, empty_dense, normal_dense, same_kv
+from benchmarks.data import CHUNK, Shape, normal_dense, same_kv
 from benchmarks.server import LocalRedis
 from benchmarks.timing import median_seconds
-from lmcache_remote import CacheConfig, CacheEngine, DenseKV
+from lmcache_remote import CacheConfig, CacheEngine, DenseKV, KVView
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.memory import MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics
@@ -55,18 +55,20 @@ def redis_memory(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor
             obj.release()
 
 
-def write_behind_rows(server: LocalRedis, shape: Shape, kv: DenseKV, num_tokens: int,
-                      codec: str, reps: int) -> dict[str, float]:
-    """Median seconds of: the KV copy alone (gather into reused chunk buffers); an
-    asynchronous store until it returns and until `flush` says the data is in Redis; a
-    retrieve from the local tier."""
+def write_behind_rows(server: LocalRedis, shape: Shape, kv: KVView, dest: KVView,
+                      dense: DenseKV, num_tokens: int, codec: str, reps: int
+                      ) -> dict[str, float]:
+    """Median seconds of: the KV copy alone (gather into reused chunk buffers, from ``kv`` and
+    from the same KV in the Hugging Face layout); an asynchronous store of ``kv`` until it
+    returns and until `flush` says the data is in Redis; a retrieve from the local tier into
+    ``dest``."""
     tokens = list(range(num_tokens))
-    dest = empty_dense(shape, num_tokens)
     out: dict[str, float] = {}
     meta = shape.metadata()
     ranges = [(i, i + CHUNK) for i in range(0, num_tokens, CHUNK)]
     bufs = [torch.empty(shape.layout.shape(CHUNK), dtype=shape.dtype) for _ in ranges]
     out["gather"] = median_seconds(lambda: kv.gather(ranges, bufs), reps)
+    out["gather_dense"] = median_seconds(lambda: dense.gather(ranges, bufs), reps)
     with CacheEngine(_config(server.url, codec, local_cpu=False), meta) as e:
         returns, landed = [], []
         for i in range(reps + 1):

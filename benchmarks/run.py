@@ -32,10 +32,11 @@ from benchmarks.data import (
     empty_dense,
     model_kv,
     normal_dense,
+    paged_like,
 )
 from benchmarks.server import LocalRedis
 from benchmarks.timing import Results, Row
-from lmcache_remote import DenseKV
+from lmcache_remote import DenseKV, KVView
 from lmcache_remote.serde import DEFAULT_PART_SIZE
 
 CODECS = ("raw", "lz4", "lz4-planes")
@@ -74,8 +75,11 @@ def run(sizes: Sizes, out: Path | None, command: str, save: Path | None = None) 
     res = Results()
     shape = sizes.shape
     num_tokens = sizes.chunks * CHUNK
-    kv = normal_dense(shape, num_tokens)
-    chunks = [chunk_tensor(kv, shape, i) for i in range(sizes.chunks)]
+    dense = normal_dense(shape, num_tokens)
+    chunks = [chunk_tensor(dense, shape, i) for i in range(sizes.chunks)]
+    # The engine rows copy out of (and into) vLLM's paged layout, as the product does.
+    kv = paged_like(dense, shape, num_tokens, seed=11)
+    dest = paged_like(empty_dense(shape, num_tokens), shape, num_tokens, seed=12)
     nbytes = sizes.chunks * shape.chunk_bytes
     reps = sizes.reps
     started = time.time()
@@ -83,9 +87,10 @@ def run(sizes: Sizes, out: Path | None, command: str, save: Path | None = None) 
         print(f"redis-server {server.version()} on port {server.port}; {sizes.chunks} chunks of "
               f"{shape.chunk_bytes / 2**20:.2f} MiB ({shape.name})", flush=True)
         _limits(res, server, chunks, nbytes, reps)
-        _side_by_side(res, server, shape, kv, chunks, num_tokens, nbytes, reps)
+        _side_by_side(res, server, shape, kv, dest, chunks, num_tokens, nbytes, reps)
         for codec in CODECS:
-            _engine(res, server, shape, kv, chunks, num_tokens, nbytes, codec, reps)
+            _engine(res, server, shape, (kv, dest, dense), chunks, num_tokens, nbytes, codec,
+                    reps)
         _codecs(res, sizes)
         lk = engine_rows.lookup_rows(server, TINY, reps, sizes.lookup_chunks * CHUNK)
         res.add("lookup", f"lookup {sizes.lookup_chunks} chunks, all hit", lk["hit"] * 1e3, "ms")
@@ -134,11 +139,10 @@ def _limits(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes
     server.clear()
 
 
-def _side_by_side(res: Results, server: LocalRedis, shape: Shape, kv: DenseKV,
+def _side_by_side(res: Results, server: LocalRedis, shape: Shape, kv: KVView, dest: KVView,
                   chunks: list[torch.Tensor], num_tokens: int, nbytes: int, reps: int) -> None:
     part = min(DEFAULT_PART_SIZE, chunks[0].nbytes)
     source = contenders.TierSource(shape, chunks)
-    dest = empty_dense(shape, num_tokens)
     field = [
         contenders.plain_socket(server, chunks, part),
         contenders.redis_py_whole(server, chunks),
@@ -151,11 +155,12 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, kv: DenseKV,
         "redis-py whole chunks": "one SET / GET per 32 MiB chunk",
         "LMCache pattern": "2 keys per chunk, one round trip each, no pipelining",
     }
-    result = contenders.duel(field, reps)
+    result = contenders.duel(field, reps, server.settle)
     for name, (t_put, t_get) in result.items():
         if name.startswith("engine"):
-            put_note, get_note = ("synchronous store, KV copy included",
-                                  "Redis hit, local tier off, KV copy included")
+            put_note, get_note = ("synchronous store, copy out of vLLM's paged layout included",
+                                  "Redis hit, local tier off, copy into vLLM's paged layout "
+                                  "included")
         elif name.startswith("RedisTier"):
             put_note, get_note = "encode + send", "receive + check + decode"
         else:
@@ -166,14 +171,16 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, kv: DenseKV,
         obj.release()
 
 
-def _engine(res: Results, server: LocalRedis, shape: Shape, kv: DenseKV,
-            chunks: list[torch.Tensor], num_tokens: int, nbytes: int, codec: str,
-            reps: int) -> None:
-    e = engine_rows.write_behind_rows(server, shape, kv, num_tokens, codec, reps)
+def _engine(res: Results, server: LocalRedis, shape: Shape,
+            views: tuple[KVView, KVView, DenseKV], chunks: list[torch.Tensor], num_tokens: int,
+            nbytes: int, codec: str, reps: int) -> None:
+    e = engine_rows.write_behind_rows(server, shape, *views, num_tokens, codec, reps)
     sync = nbytes / res.get("side by side", f"engine {codec}: store") / 1e9
     sec = f"engine {codec}"
     res.add(sec, "KV copy out of the cache alone", e["gather"] * 1e3, "ms",
-            "gather into reused chunk buffers")
+            "gather into reused chunk buffers, vLLM's paged layout (blocks of 16)")
+    res.add(sec, "KV copy out of a Hugging Face cache", e["gather_dense"] * 1e3, "ms",
+            "the same KV as `[heads, T, head]` per layer: a transposing copy")
     res.add(sec, "store returns (write-behind)", e["store_async_return"] * 1e3, "ms")
     res.add(sec, "store return / synchronous store", e["store_async_return"] / sync, "ratio")
     res.add(sec, "store until in Redis (write-behind)", gbps(nbytes, e["store_async_landed"]),

@@ -68,6 +68,19 @@ class LocalRedis:
             client.unlink(*batch)
         client.close()
 
+    def settle(self, timeout: float = 30.0) -> None:
+        """Waits until Redis's background thread has freed every unlinked value: a timed
+        write must not share the CPU with the lazy free of the previous contender's data."""
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        try:
+            while int(client.info("memory")["lazyfree_pending_objects"]) > 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("redis-server still freeing unlinked values")
+                time.sleep(0.002)
+        finally:
+            client.close()
+
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.terminate()
