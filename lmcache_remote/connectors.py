@@ -34,22 +34,27 @@ backwards (host -> device copies into staging, then one `index_put_` per layer).
 is never split, so one range may exceed the staging bound. No Python loop runs per token.
 On the CPU the staging tensor is skipped: `DenseKV` makes one 2-D copy per range, layer, K/V
 plane and head straight between the cache and the chunk (the staging copy cost ~20x on 32 MiB
-chunks); a contiguous `kv_split` or `mla` `PagedKV` makes one `index_select` / `index_copy_`
-of rows per range, layer and plane, whole blocks at a time where the range covers whole blocks
-in order (vLLM's usual mapping), single slots otherwise (~4x faster than staging on 32 MiB
-chunks). `packed` caches and strided caches take the staging path.
+chunks); a contiguous `kv_split` or `mla` `PagedKV` copies rows per range, layer and plane, whole
+blocks at a time where the range covers whole blocks in order (vLLM's usual mapping), single
+slots otherwise: `index_select` to gather (on torch's intra-op threads), numpy row assignment
+to scatter (~4x faster than `index_copy_`), split over as many threads (~4x faster than
+staging on 32 MiB chunks both ways). `packed` caches and strided caches take the staging path.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import os
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 __all__ = ["DEFAULT_STAGING_BYTES", "PAGED_LAYOUTS", "DenseKV", "KVView", "PagedKV"]
@@ -59,6 +64,7 @@ PAGED_LAYOUTS = ("kv_split", "packed", "mla")
 
 Range = tuple[int, int]
 _Index = TypeVar("_Index")
+_Item = TypeVar("_Item")
 
 # Per paged layout: the axis of block ids and the axis of in-block offsets in one layer's
 # tensor, then the token axis of advanced indexing on those two (adjacent index axes keep their
@@ -305,11 +311,12 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         """On the CPU, `kv_split` and `mla` caches copy rows straight between the cache and
         the chunks, no staging tensor (a fresh staging allocation and a second copy cost ~4x
         on 32 MiB chunks): a chunk's `[layer, plane]` part is `[tokens, heads * head_size]`
-        rows, one `index_select` / `index_copy_` per range, layer and plane, whole blocks at
+        rows, one `index_select` / row assignment per range, layer and plane, whole blocks at
         a time when the range covers whole blocks in order."""
         if not self._rows_direct():
             super()._copy_group(layers, group, to_host)
             return
+        writes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for (start, end), host in group:
             rows, index = self._row_index(self._slots[start:end])
             for layer in layers:
@@ -317,11 +324,13 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
                 planes = (cache[0], cache[1]) if self.layout == "kv_split" else (cache,)
                 for plane, cache_plane in enumerate(planes):
                     cache_rows = cache_plane.view(rows, -1)
-                    chunk_rows = host[layer, plane].view(index.numel(), -1)
-                    if to_host:
+                    chunk_rows = host[layer, plane].view(len(index), -1)
+                    if to_host:  # index_select runs on torch's intra-op threads
                         torch.index_select(cache_rows, 0, index, out=chunk_rows)
                     else:
-                        cache_rows.index_copy_(0, index, chunk_rows)
+                        writes.append((_bytes(cache_rows), index.numpy(), _bytes(chunk_rows)))
+        if writes:
+            _run_split(_assign_rows, writes)
 
     def _rows_direct(self) -> bool:
         return (
@@ -440,6 +449,51 @@ def _groups(
         groups[-1].append(((start, end), tensor))
         tokens += end - start
     return groups
+
+
+def _assign_rows(writes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """``dst[index] = src`` for each write: numpy's row assignment, which runs ~4x faster than
+    `index_copy_` here and lets go of the GIL while it copies."""
+    for dst, index, src in writes:
+        dst[index] = src
+
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: start a new pool when needed."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _run_split(work: Callable[[Sequence[_Item]], None], items: Sequence[_Item]) -> None:
+    """``work`` over ``items`` cut into as many runs as torch has intra-op threads, the runs
+    in parallel (a shared pool of that size), returning once all are done."""
+    global _pool
+    threads = max(1, min(torch.get_num_threads(), len(items)))
+    if threads == 1:
+        work(items)
+        return
+    with _pool_lock:
+        if _pool is None or _pool[0] < threads:
+            old, _pool = _pool, (threads, ThreadPoolExecutor(threads, "lmcr-copy"))
+            if old is not None:
+                old[1].shutdown(wait=False)
+        pool = _pool[1]
+    step = -(-len(items) // threads)
+    futures = [pool.submit(work, items[i:i + step]) for i in range(0, len(items), step)]
+    for future in futures:
+        future.result()
+
+
+def _bytes(rows: torch.Tensor) -> np.ndarray:
+    """A 2-D contiguous CPU tensor's memory as a uint8 numpy array of the same rows."""
+    return rows.view(torch.uint8).numpy()
 
 
 def _check_disjoint(ranges: list[Range]) -> None:

@@ -427,3 +427,29 @@ def test_failed_scatter_leaves_cache_untouched() -> None:
     with pytest.raises(ValueError, match="token 23 has a negative slot"):
         view.scatter([*RANGES, (TOKENS, TOKENS + 1)], [*chunks, last])
     assert same_cache(dst, before)
+
+
+def test_scatter_in_a_forked_child_after_the_parent_scattered() -> None:
+    """The parent's copy threads do not exist in a forked child (vLLM forks its workers): a
+    scatter there still completes."""
+    import multiprocessing
+
+    src = make_paged("kv_split", torch.float32, seed=40)
+    chunks = gather_all(src.view(), RANGES)
+    dst = make_paged("kv_split", torch.float32, seed=41, random=False)
+    dst.view().scatter(RANGES, chunks)  # the parent's pool now exists
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_scatter_and_check, args=(src, chunks))
+    child.start()
+    child.join(30)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
+
+
+def _scatter_and_check(src: Paged, chunks: list[torch.Tensor]) -> None:
+    torch.set_num_threads(2)
+    dst = make_paged("kv_split", torch.float32, seed=42, random=False)
+    expected = expected_after_scatter(dst, RANGES, chunks)
+    dst.view().scatter(RANGES, chunks)
+    raise SystemExit(0 if same_cache(dst, expected) else 1)
