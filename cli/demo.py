@@ -69,7 +69,8 @@ def _print(cx: CliContext, doc: dict[str, Any]) -> None:
     cx.out.print(t)
     redis = doc["redis"]
     kept = "kept" if not redis["keys_removed"] else f"{redis['keys_removed']} keys removed after"
-    cx.out.print(f"Redis: {redis['url']} ({redis['source']}); {redis['keys']} chunks, "
+    cx.out.print(f"Redis: {redis['url']} ({redis['source']}); {redis['chunks']} chunks in "
+                 f"{redis['keys']} values, "
                  f"{size(redis['bytes'])} ({redis['bytes']} bytes) under "
                  f"{redis['key_prefix']}, {kept}", markup=False)
     diff = max(p["max_logit_diff"] for p in doc["phases"])

@@ -55,8 +55,9 @@ def test_demo_json_against_the_configured_redis(redis_url: str, key_prefix: str,
         assert min(p["ttft_ms"]) <= p["median_ttft_ms"] <= max(p["ttft_ms"])
     assert doc["outputs_match"] is True
     assert all(p["max_logit_diff"] <= 1e-4 for p in doc["phases"])
-    assert doc["redis"]["keys"] == 3 and doc["redis"]["bytes"] > 3 * 64 * 4096
-    assert doc["redis"]["keys_removed"] == 3  # its chunks, nothing else
+    assert doc["redis"]["chunks"] == 3 and doc["redis"]["bytes"] > 3 * 64 * 4096
+    assert doc["redis"]["keys"] >= 3  # a chunk may be cut into several values
+    assert doc["redis"]["keys_removed"] == doc["redis"]["keys"]  # its chunks, nothing else
     leftovers = list(redis_client.scan_iter(match=f"{doc['redis']['key_prefix']}:*"))
     assert leftovers == []
 
@@ -69,7 +70,7 @@ def test_demo_human_table_and_keep(redis_url: str, key_prefix: str,
                  "Next-token outputs match", "3 chunks", "kept"):
         assert text in result.stdout
     kept = list(redis_client.scan_iter(match=f"{key_prefix}-demo-*:v1:*"))
-    assert len(kept) == 3
+    assert len([k for k in kept if b"}#" not in k]) == 3  # chunk heads; parts are `}#i`
     redis_client.unlink(*kept)
 
 

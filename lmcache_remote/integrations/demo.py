@@ -125,6 +125,7 @@ class DemoReport:
     key_prefix: str
     shared_prefix_tokens: int
     phases: list[Phase]
+    redis_chunks: int = 0
     redis_keys: int = 0
     redis_bytes: int = 0
     keys_removed: int = 0
@@ -147,7 +148,8 @@ class DemoReport:
             "dtype": self.dtype,
             "chunk_size": self.chunk_size,
             "redis": {"url": self.redis_url, "source": self.redis_source,
-                      "key_prefix": self.key_prefix, "keys": self.redis_keys,
+                      "key_prefix": self.key_prefix, "chunks": self.redis_chunks,
+                      "keys": self.redis_keys,
                       "bytes": self.redis_bytes, "keys_removed": self.keys_removed},
             "shared_prefix_tokens": self.shared_prefix_tokens,
             "phases": [p.to_dict() for p in self.phases],
@@ -176,7 +178,7 @@ def run_demo(config: CacheConfig, options: DemoOptions, note: Note | None = None
         )
         try:
             _run_phases(model, run_config, meta, prompts, report, say)
-            report.redis_keys, report.redis_bytes = _usage(run_config)
+            report.redis_chunks, report.redis_keys, report.redis_bytes = _usage(run_config)
         finally:
             if not options.keep:
                 report.keys_removed = _remove_keys(run_config)
@@ -201,15 +203,17 @@ def _redis(url: str | None, say: Note) -> Iterator[tuple[str, str]]:
         yield server.url, f"embedded {server.kind}-server"
 
 
-def _usage(config: CacheConfig) -> tuple[int, int]:
-    """(chunk value keys, their bytes) under the run's prefix."""
+def _usage(config: CacheConfig) -> tuple[int, int, int]:
+    """(chunks, value keys, their bytes) under the run's prefix: a chunk is its head key and
+    as many `#i` part keys as it was cut into."""
     client = make_client(config)
     try:
         keys = list(client.scan_iter(match=scan_pattern(config.key_prefix), count=1000))
         pipe = client.pipeline(transaction=False)
         for key in keys:
             pipe.strlen(key)
-        return len(keys), int(sum(pipe.execute())) if keys else 0
+        heads = sum(1 for k in keys if b"#" not in k.rsplit(b"}", 1)[-1])
+        return heads, len(keys), int(sum(pipe.execute())) if keys else 0
     finally:
         client.close()
 
