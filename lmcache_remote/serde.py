@@ -3,7 +3,9 @@
 Contract:
 
 - A chunk (one contiguous CPU tensor) becomes ``Serde.part_count(tensor.nbytes)`` values. Its
-  bytes are cut into segments of ``part_size`` raw bytes (the last one shorter), and each
+  bytes are cut into segments of ``part_size_for(tensor.nbytes)`` raw bytes (``part_size``, or
+  with ``fit_size_classes`` a size planned to fill Redis's allocations; the last segment
+  shorter), and each
   segment is encoded on its own by a `Codec` (``raw``, ``lz4``, ``lz4-planes``; module
   `lmcache_remote.codecs`, re-exported here). ``values[0]`` is the header followed by
   stored segment 0, in one contiguous buffer; ``values[i]`` is stored segment ``i``.
@@ -40,6 +42,7 @@ from lmcache_remote.codecs import CODECS as CODECS
 from lmcache_remote.codecs import CODECS_BY_ID, Codec, RawCodec
 from lmcache_remote.codecs import get_codec as get_codec
 from lmcache_remote.errors import CorruptEntryError, SerdeError
+from lmcache_remote.sizing import plan_part_size
 
 BytesLike = bytes | bytearray | memoryview
 _T = TypeVar("_T")
@@ -196,11 +199,13 @@ class Serde:
     `Serde` with other settings still decodes.
     """
 
-    def __init__(self, codec: str = "lz4", part_size: int = DEFAULT_PART_SIZE, threads: int = 0):
+    def __init__(self, codec: str = "lz4", part_size: int = DEFAULT_PART_SIZE, threads: int = 0,
+                 *, fit_size_classes: bool = False):
         self.codec = get_codec(codec)
         _check_setting("part_size", part_size, 1, MAX_PART_SIZE)
         _check_setting("threads", threads, 0, 1024)
         self.part_size = part_size
+        self.fit_size_classes = fit_size_classes
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -218,11 +223,20 @@ class Serde:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def part_count(self, raw_nbytes: int) -> int:
-        """How many values a chunk of ``raw_nbytes`` bytes becomes: ``max(1, ceil(n / part))``."""
+    def part_size_for(self, raw_nbytes: int) -> int:
+        """The part size a chunk of ``raw_nbytes`` bytes is cut with: ``part_size``, or with
+        ``fit_size_classes`` the size (at most ``part_size``) whose values waste the least of
+        Redis's allocations (`lmcache_remote.sizing.plan_part_size`)."""
         if raw_nbytes < 0:
             raise SerdeError(f"raw_nbytes must be >= 0, got {raw_nbytes}")
-        return max(1, -(-raw_nbytes // self.part_size))
+        if not self.fit_size_classes:
+            return self.part_size
+        return plan_part_size(raw_nbytes, self.part_size)
+
+    def part_count(self, raw_nbytes: int) -> int:
+        """How many values a chunk of ``raw_nbytes`` bytes becomes: ``max(1, ceil(n / p))``
+        with ``p = part_size_for(n)``."""
+        return max(1, -(-raw_nbytes // self.part_size_for(raw_nbytes)))
 
     # --- encode ---------------------------------------------------------------------------
 
@@ -244,7 +258,7 @@ class Serde:
         if not isinstance(chunk_hash, (bytes, bytearray, memoryview)) or len(chunk_hash) != 16:
             raise SerdeError(f"chunk_hash must be 16 bytes, got {chunk_hash!r}")
         _check_setting("num_tokens", num_tokens, 1, MAX_NUM_TOKENS)
-        size = self.part_size
+        size = self.part_size_for(len(raw))
         segments = [raw[i * size : (i + 1) * size] for i in range(self.part_count(len(raw)))]
         itemsize = tensor.element_size()
         stored = self._map(self.codec, lambda seg: self._encode_part(seg, itemsize), segments)

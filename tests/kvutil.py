@@ -116,3 +116,9 @@ def reference_keys(toks: list[int], prefix: str, model: str = "test/model",
     full = toks[: len(toks) - len(toks) % chunk]
     return [f"{prefix}:v1:{model}:1:0:{dtype}:{{{h}}}"
             for h in reference_hashes(full, chunk, salt)]
+
+
+def chunk_heads(keys: Any) -> set[Any]:
+    """The chunk keys among Redis keys (str or bytes): a chunk is its key plus, when it was cut
+    into several values, part keys ``<key>#1``, ``<key>#2``, ... (left out here)."""
+    return {k for k in keys if ("}#" if isinstance(k, str) else b"}#") not in k}

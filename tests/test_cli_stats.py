@@ -109,7 +109,9 @@ def test_inspect_decodes_the_header_and_verifies(redis_url: str, redis_client: r
     assert info["shape"] == [2, 2, 256, 2, 8] and info["value_dtype"] == "bfloat16"
     assert info["raw_bytes"] == 2 * 2 * 256 * 2 * 8 * 2
     assert info["checksum_ok"] is True and info["error"] is None
-    assert info["bytes"] == redis_client.strlen(row["redis_key"])
+    part_keys = [row["redis_key"], *(f"{row['redis_key']}#{i}" for i in range(1, info["parts"]))]
+    assert info["bytes"] == sum(redis_client.strlen(k) for k in part_keys)
+    assert redis_client.exists(*part_keys) == info["parts"]
     short = f"org/model-a:1:0:bfloat16:{row['chunk_hash']}"
     assert run_json("inspect", short, "--url", redis_url, "--prefix", key_prefix)["bytes"] \
         == info["bytes"]

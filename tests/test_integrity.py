@@ -121,7 +121,7 @@ def serde(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(params=[None, 4096], ids=["one_value", "multipart"])
+@pytest.fixture(params=[None, 4096], ids=["default_parts", "multipart"])
 def stored(request: pytest.FixtureRequest, redis_client: redis.Redis, redis_url: str,
            key_prefix: str, serde: str) -> Stored:
     cfg = {"serde": serde}
@@ -188,7 +188,7 @@ def multipart(redis_client: redis.Redis, redis_url: str, key_prefix: str, serde:
 def test_damaged_and_foreign_parts_are_detected(multipart: Stored) -> None:
     stored = multipart
     good, other = stored.good[1], stored.good[0]
-    assert len(good) == 8
+    assert len(good) >= 4
     cases: dict[str, list[bytes | None]] = {
         "part_from_other_chunk": [good[0], other[1], *good[2:]],
         "all_parts_from_other_chunk": [good[0], *other[1:]],
@@ -230,7 +230,7 @@ def test_a_value_written_with_another_codec_is_served(stored: Stored, redis_clie
 
 
 @pytest.fixture
-def one_value(redis_client: redis.Redis, redis_url: str, key_prefix: str) -> Stored:
+def default_parts(redis_client: redis.Redis, redis_url: str, key_prefix: str) -> Stored:
     s = Stored(redis_client, redis_url, key_prefix)
     yield s
     s.close()
@@ -242,22 +242,23 @@ FIXTURE_CHECK = HealthCheck.function_scoped_fixture  # one Redis prefix for all 
 def _check_arbitrary(stored: Stored, bad: bytes) -> None:
     if bad == stored.good[1][0]:
         return
-    stored.write(1, [bad])
+    stored.write(1, [bad, *stored.good[1][1:]])  # value 0 replaced, the other parts kept
     stored.expect_cut_at(1)
     stored.write(1, list(stored.good[1]))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[FIXTURE_CHECK])
 @given(st.binary(max_size=300))
-def test_arbitrary_bytes_under_a_real_key_are_never_served(one_value: Stored, bad: bytes) -> None:
-    _check_arbitrary(one_value, bad)
+def test_arbitrary_bytes_under_a_real_key_are_never_served(default_parts: Stored, bad: bytes
+                                                           ) -> None:
+    _check_arbitrary(default_parts, bad)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[FIXTURE_CHECK])
 @given(st.data())
-def test_mutated_values_under_a_real_key_are_never_served(one_value: Stored,
+def test_mutated_values_under_a_real_key_are_never_served(default_parts: Stored,
                                                           data: st.DataObject) -> None:
-    good = one_value.good[1][0]
+    good = default_parts.good[1][0]
     kind = data.draw(st.sampled_from(["xor", "cut", "append", "splice"]))
     if kind == "xor":
         index = data.draw(st.integers(0, len(good) - 1))
@@ -270,7 +271,7 @@ def test_mutated_values_under_a_real_key_are_never_served(one_value: Stored,
         start = data.draw(st.integers(0, len(good) - 1))
         junk = data.draw(st.binary(min_size=1, max_size=32))
         bad = good[:start] + junk + good[start + len(junk):]
-    _check_arbitrary(one_value, bad)
+    _check_arbitrary(default_parts, bad)
 
 
 # -- a retrieve writes only what it reports ------------------------------------------------------
@@ -286,17 +287,18 @@ def retrieve_by_layers(e: CacheEngine, toks: list[int], dst: object, mask: torch
 @pytest.mark.parametrize("layerwise", [False, True], ids=["retrieve", "retrieve_layer"])
 @pytest.mark.parametrize("damaged", [None, 0, 1, 2])
 @pytest.mark.parametrize("mask_chunks", [0, 1])
-def test_retrieve_writes_kv_only_for_reported_hits(one_value: Stored, damaged: int | None,
+def test_retrieve_writes_kv_only_for_reported_hits(default_parts: Stored, damaged: int | None,
                                                    mask_chunks: int, layerwise: bool) -> None:
-    toks = one_value.toks + [7] * 100  # a partial tail chunk that is never stored
+    toks = default_parts.toks + [7] * 100  # a partial tail chunk that is never stored
     if damaged is not None:
-        one_value.write(damaged, [flip(one_value.good[damaged][0], 3)])
+        good = default_parts.good[damaged]
+        default_parts.write(damaged, [flip(good[0], 3), *good[1:]])
     mask = torch.ones(len(toks), dtype=torch.bool)
     mask[:mask_chunks * CHUNK] = False
     dst, read = sentinel_kv(len(toks))
     start = mask_chunks * CHUNK
     get = retrieve_by_layers if layerwise else CacheEngine.retrieve
-    n = check_retrieve(get(one_value.reader, toks, dst, mask), toks, read, start=start)
+    n = check_retrieve(get(default_parts.reader, toks, dst, mask), toks, read, start=start)
     end = N_CHUNKS if damaged is None or damaged < mask_chunks else damaged
     assert n == max(0, end - mask_chunks) * CHUNK
 

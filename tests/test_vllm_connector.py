@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 import torch
-from kvutil import token_kv_paged, tokens
+from kvutil import chunk_heads, token_kv_paged, tokens
 
 from lmcache_remote import ConfigError
 from tests.servers import RedisServer
@@ -282,7 +282,7 @@ def test_chunked_prefill_stores_each_chunk_once_it_is_complete(
     spans.append([(p.save.start, p.save.end) for p in meta.requests if p.save])
     assert spans == [[(0, 256)], [(256, 512)], []]
     a.check("r1", 700)
-    keys = list(redis_client.scan_iter(match=f"{key_prefix}:v1:*"))
+    keys = chunk_heads(redis_client.scan_iter(match=f"{key_prefix}:v1:*"))
     assert len(keys) == 2
     b = replicas("kv_split", perm_seed=6, local_cpu=False)
     assert prefill(b, "r2", prompt) == 512
@@ -335,7 +335,7 @@ def test_mla_ranks_share_one_copy_through_the_connector(
     prefill(rank0, "r1", prompt)
     prefill(rank1, "r1", prompt)
     keys = {k.decode() for k in redis_client.scan_iter(match=f"{key_prefix}:v1:*")}
-    assert len(keys) == 2 and all(":meta/toy:1:0:bfloat16:{" in k for k in keys)
+    assert len(chunk_heads(keys)) == 2 and all(":meta/toy:1:0:bfloat16:{" in k for k in keys)
     for rank in (0, 1):
         other = replicas("mla", perm_seed=10 + rank, rank=rank, world=2,
                          save_only_first_rank=True, local_cpu=False)
@@ -374,4 +374,4 @@ def test_requests_not_named_by_their_tokens_pass_through(
     meta = a.step([(request, 0, 600)])
     assert meta.requests == []
     a.check("special", 600)
-    assert len(list(redis_client.scan_iter(match=f"{key_prefix}:v1:*"))) == 2
+    assert len(chunk_heads(redis_client.scan_iter(match=f"{key_prefix}:v1:*"))) == 2

@@ -42,6 +42,7 @@ from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.serde import Serde, ValueHeader, header_nbytes
+from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.health import HealthGate
@@ -123,7 +124,7 @@ class RedisTier(StorageTier):
         self.pool = pool
         self.metrics = metrics
         threads = config.serde_threads or (os.cpu_count() or 1)
-        self.serde = Serde(config.serde, config.remote_part_size, threads)
+        self.serde = Serde(config.serde, config.remote_part_size, threads, fit_size_classes=True)
         self.client = client if client is not None else make_client(config)
         self.wire = BulkPipeline(self.client) if supports(self.client) else None
         self._arenas = ArenaPool()
@@ -235,9 +236,10 @@ class RedisTier(StorageTier):
         return sum(int(r) for n, r in zip(names, results, strict=True) if n in heads)
 
     def _delete_names(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str], set[str]]:
-        """Every value key the chunks may have (as many parts as a full chunk), and the heads
-        (whose count is the number of chunks deleted)."""
-        full = self._nparts(self.config.chunk_size)
+        """Every value key the chunks may have (at least as many parts as any chunk of up to
+        `chunk_size` tokens is cut into: `max_part_count`), and the heads (whose count is the
+        number of chunks deleted)."""
+        full = max_part_count(self.layout.nbytes(self.config.chunk_size), self.serde.part_size)
         names = [k for key in keys for k in key.part_keys(self.prefix, full)]
         return names, {key.redis_key(self.prefix) for key in keys}
 
@@ -331,13 +333,13 @@ class RedisTier(StorageTier):
         key_lists = [self._keys(s) for s in specs]
         places = [(c, p) for c, keys in enumerate(key_lists) for p in range(len(keys))]
         in_place = self.serde.codec.codec_id == 0
-        part_size = self.serde.part_size
         arena.reserve(sum(o.nbytes for o in objs) + 4096 * len(places) if not in_place else 0)
 
         def sink(index: int, length: int) -> memoryview | list[memoryview]:
             chunk, part = places[index]
             if in_place:
                 raw = objs[chunk].raw_view()
+                part_size = self.serde.part_size_for(len(raw))
                 seg = raw[part * part_size:(part + 1) * part_size]
                 head = header_nbytes(len(key_lists[chunk])) if part == 0 else 0
                 if length == head + len(seg):
@@ -358,7 +360,8 @@ class RedisTier(StorageTier):
 
     def _part_nbytes(self, spec: ChunkSpec, part: int) -> int:
         """Raw bytes of part ``part`` of the chunk: what its GET is expected to return."""
-        total, size = self.layout.nbytes(spec.num_tokens), self.serde.part_size
+        total = self.layout.nbytes(spec.num_tokens)
+        size = self.serde.part_size_for(total)
         return max(0, min(size, total - part * size))
 
     def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply]) -> bool:
