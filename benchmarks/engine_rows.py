@@ -17,6 +17,7 @@ from lmcache_remote import CacheConfig, CacheEngine, DenseKV, KVView
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.memory import MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics
+from lmcache_remote.serde import Serde
 from lmcache_remote.storage.redis_tier import RedisTier
 
 _salts = itertools.count()
@@ -50,6 +51,60 @@ def redis_memory(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor
         return (server.used_memory() - before) / sum(c.nbytes for c in chunks)
     finally:
         server.clear()
+        tier.close()
+        for obj in objs:
+            obj.release()
+
+
+#: Chunk shapes of real models (layers, KV heads, head size; bfloat16, 256 tokens) for the
+#: Redis-memory rows: their sizes are powers of two or small multiples of one.
+MEMORY_SHAPES = {
+    "64 KiB (2 layers, 2 KV heads x 16)": (2, 2, 16),
+    "3 MiB (24 layers, 2 x 64: a 0.5B model)": (24, 2, 64),
+    "7 MiB (28 layers, 2 x 128: a 1.5B model)": (28, 2, 128),
+    "32 MiB (32 layers, 8 x 128: an 8B model)": (32, 8, 128),
+}
+
+
+def allocation_rows(server: LocalRedis, total_mib: int) -> dict[str, tuple[float, float]]:
+    """Per `MEMORY_SHAPES` entry: bytes Redis allocates (`MEMORY USAGE` of every key written,
+    keys included) per raw KV byte, with the tier's planned part sizes and with a uniform cut
+    at `remote_part_size` (what the tier did before planning); ~``total_mib`` of raw KV each."""
+    out = {}
+    for name, (layers, heads, head) in MEMORY_SHAPES.items():
+        shape = Shape(name, layers, heads, head)
+        count = max(2, (total_mib << 20) // shape.chunk_bytes)
+        gen = torch.Generator().manual_seed(3)
+        chunks = [torch.randn(shape.layout.shape(CHUNK), generator=gen).to(shape.dtype)
+                  for _ in range(count)]
+        out[name] = (_allocated(server, shape, chunks, True),
+                     _allocated(server, shape, chunks, False))
+    return out
+
+
+def _allocated(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor],
+               fit: bool) -> float:
+    pool = MemoryPool(len(chunks) * shape.chunk_bytes + (1 << 20), pin_memory=False)
+    db = TokenDatabase(KeyNamespace(shape.name, 1, 0, "bfloat16"), CHUNK, False)
+    objs: list[MemoryObj] = []
+    for chunk in chunks:
+        obj = pool.allocate(tuple(chunk.shape), chunk.dtype)
+        assert obj is not None
+        obj.tensor.copy_(chunk)
+        objs.append(obj)
+    config = _config(server.url, "raw")
+    tier = RedisTier(config, shape.layout, pool, Metrics())
+    tier.serde = Serde("raw", config.remote_part_size, fit_size_classes=fit)
+    client = server.client()
+    try:
+        server.clear()
+        tier.put([s.key for s in db.chunks(list(range(len(chunks) * CHUNK)))], objs)
+        names = list(client.scan_iter(match="bench:*", count=1000))
+        used = sum(int(client.memory_usage(n, samples=0)) for n in names)
+        return used / sum(c.nbytes for c in chunks)
+    finally:
+        server.clear()
+        client.close()
         tier.close()
         for obj in objs:
             obj.release()

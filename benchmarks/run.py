@@ -92,6 +92,10 @@ def run(sizes: Sizes, out: Path | None, command: str, save: Path | None = None) 
             _engine(res, server, shape, (kv, dest, dense), chunks, num_tokens, nbytes, codec,
                     reps)
         _codecs(res, sizes)
+        for name, (planned, uniform) in engine_rows.allocation_rows(server, sizes.codec_mib * 4
+                                                                   ).items():
+            res.add("memory", f"Redis allocation / raw KV, {name}", planned, "ratio",
+                    f"uniform {DEFAULT_PART_SIZE} B parts: {uniform:.3f}")
         lk = engine_rows.lookup_rows(server, TINY, reps, sizes.lookup_chunks * CHUNK)
         res.add("lookup", f"lookup {sizes.lookup_chunks} chunks, all hit", lk["hit"] * 1e3, "ms")
         res.add("lookup", f"lookup {sizes.lookup_chunks} chunks, all miss", lk["miss"] * 1e3, "ms")

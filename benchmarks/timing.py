@@ -34,8 +34,10 @@ class Row:
     note: str = ""
 
     def cell(self) -> str:
-        if self.unit in ("GB/s", "x", "ratio"):
+        if self.unit in ("GB/s", "x"):
             return f"{self.value:.2f}"
+        if self.unit == "ratio":
+            return f"{self.value:.3f}"
         if self.unit == "ms":
             return f"{self.value:.2f}" if self.value < 100 else f"{self.value:.0f}"
         if self.unit == "MiB":
