@@ -54,7 +54,10 @@ def targets(res: Results, sizes: Any, codecs: Sequence[str]) -> list[str]:
     h = g("lookup", f"hash {tokens} tokens (tensor)")
     lines.append(f"- hashing {tokens} tokens: {h:.2f} ms; target < 5 ms: {_verdict(h < 5)}.")
     for row in res.rows:
-        if row.section == "memory":
+        if row.section == "memory" and row.name.startswith("Redis allocation"):
+            lines.append(f"- {row.name}: Redis allocates {row.value:.3f} bytes per raw KV byte "
+                         f"(keys included; {row.note}).")
+        elif row.section == "memory":
             bound = (sizes.rss_local_mib + sizes.rss_queue_mib)
             lines.append(
                 f"- {row.name}: +{row.value:.0f} MiB against local tier + queue = {bound} MiB "

@@ -91,6 +91,11 @@ def _filling(limit: int, count: int, max_part: int) -> int:
     return low
 
 
+#: Every planned part size of a multi-part chunk is a multiple of this: a part boundary never
+#: splits an element (`lz4-planes` splits a part's elements into byte planes) and parts start
+#: on cache lines.
+ALIGN = 64
+
 #: `plan_part_size` adds at most this many parts to the ``ceil(raw / max_part)`` of a uniform
 #: cut (near-equal splits into up to two more, a filled class one more still).
 EXTRA_PARTS = 3
@@ -104,21 +109,29 @@ def max_part_count(raw_nbytes: int, max_part: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def plan_part_size(raw_nbytes: int, max_part: int) -> int:
     """The part size (at most ``max_part``) that stores a chunk of ``raw_nbytes`` raw bytes in
-    the fewest allocated bytes (`plan_cost`); among equals, the largest (fewest values)."""
+    the fewest allocated bytes (`plan_cost`); among equals, the largest (fewest values). A
+    multi-part cut uses a multiple of `ALIGN` (``max_part`` rounded down to one, at least)."""
     if raw_nbytes <= 0:
         return max_part
+    if raw_nbytes <= max_part:  # one part: its size is the chunk's, whatever its alignment
+        candidates = {raw_nbytes}
+    max_part -= max_part % ALIGN
     first = max(1, -(-raw_nbytes // max_part))
-    candidates = {min(max_part, raw_nbytes)}
+    if raw_nbytes > max_part:
+        candidates = {max_part}
     for count in range(first, first + 3):
         even = -(-raw_nbytes // count)
+        even += -even % ALIGN
         if even > max_part:
             continue
-        candidates.add(even)
+        if -(-raw_nbytes // even) >= 2:
+            candidates.add(even)
         held = value_cost(_header(count) + stored_bound(even))
         below = _class_below(held)  # the class just under the one `even` lands in
         for limit in (held, below):
             for parts in (count, count + 1):  # filling a class may need one more value
                 size = _filling(limit, parts, max_part)
-                if size > 0 and -(-raw_nbytes // size) == parts:
+                size -= size % ALIGN
+                if size > 0 and -(-raw_nbytes // size) == parts >= 2:
                     candidates.add(size)
     return min(candidates, key=lambda size: (plan_cost(raw_nbytes, size), -size))

@@ -13,7 +13,7 @@ from lmcache_remote.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.serde import DEFAULT_PART_SIZE, Serde
-from lmcache_remote.sizing import max_part_count, plan_cost, plan_part_size, size_class
+from lmcache_remote.sizing import ALIGN, max_part_count, plan_cost, plan_part_size, size_class
 from lmcache_remote.storage.redis_tier import RedisTier
 
 
@@ -31,6 +31,7 @@ def test_plan_never_costs_more_than_a_uniform_cut(raw: int, max_part: int) -> No
     size = plan_part_size(raw, max_part)
     count = -(-raw // size)
     assert 1 <= size <= max_part
+    assert count == 1 or size % ALIGN == 0  # a part boundary never splits an element
     assert max(1, -(-raw // max_part)) <= count <= max_part_count(raw, max_part)
     assert plan_cost(raw, size) <= plan_cost(raw, max_part)
     serde = Serde("raw", max_part, fit_size_classes=True)
@@ -95,3 +96,7 @@ def test_planned_parts_waste_little_redis_memory(private_redis: RedisServer) -> 
             uniform = _redis_bytes(private_redis, layout, count, Serde(codec), f"u{codec}")
             assert planned <= 1.03, (name, codec, planned)
             assert uniform >= 1.06 and planned < uniform - 0.04, (name, codec, uniform, planned)
+        # byte planes still compress every planned part of bfloat16 KV (~1.2x)
+        planes = _redis_bytes(private_redis, layout, count,
+                              Serde("lz4-planes", fit_size_classes=True), "planes")
+        assert planes < 0.9, (name, planes)
