@@ -6,9 +6,10 @@ It keeps RedisTier's layout, checks and windows, and replaces the four batch ope
 - Every command of a batch names one chunk's keys, which share a hash slot (the `{hash}` tag),
   so the batch is grouped by the slot's primary node (from the client's slot table), sent as
   one pipeline per node, and the pipelines run concurrently on a small thread pool. A batch
-  costs one round trip to the slowest node, not the sum over nodes. Writes and lookups go
-  through `wire.BulkPipeline` on the node's connection pool (no copy of the values); GETs
-  through redis-py's pipeline.
+  costs one round trip to the slowest node, not the sum over nodes. Writes, lookups and chunk
+  reads go through `wire.BulkPipeline` on the node's connection pool: values leave without a
+  copy, and GET replies land in the chunk's own memory (raw) or the read's arena, as on a
+  single node (the nodes' threads take turns in the receive sink).
 - Each node has its own `HealthGate` and `RemoteCaller` (the project's retry policy): a node
   that fails makes its chunks misses (lookups, gets) or dropped writes, counted in
   `remote.errors` / `remote.dropped_chunks`, while the other nodes keep serving. A node in
@@ -47,8 +48,13 @@ from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
-from lmcache_remote.storage.redis_tier import RedisTier, chunk_write_command, command_key
-from lmcache_remote.storage.wire import BulkPipeline
+from lmcache_remote.storage.redis_tier import (
+    INFLIGHT_BYTES,
+    RedisTier,
+    chunk_write_command,
+    command_key,
+)
+from lmcache_remote.storage.wire import BulkPipeline, Reply, Sink
 from lmcache_remote.urls import parse_remote_url
 
 logger = logging.getLogger(__name__)
@@ -168,6 +174,23 @@ class ClusterRedisTier(RedisTier):
             pos += len(keys)
         return out
 
+    def _fast_reads(self) -> bool:
+        return True
+
+    def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int]
+                  ) -> list[Reply]:
+        """The GETs scattered per node, each node's replies received where ``sink`` says (the
+        sink is called from the nodes' threads one at a time); a failed node's values are
+        misses (None)."""
+        lock = threading.Lock()
+
+        def locked(index: int, length: int) -> Any:
+            with lock:
+                return sink(index, length)
+
+        results = self._run(commands, "get", receive=(locked, sizes))
+        return [None if r is FAILED or isinstance(r, Exception) else r for r in results]
+
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> int:
         commands: list[Command] = []
         owner: list[int] = []  # the batch entry each command belongs to
@@ -214,11 +237,14 @@ class ClusterRedisTier(RedisTier):
 
     # -- scatter / gather ---------------------------------------------------------------------
 
-    def _run(self, commands: Sequence[Command], what: str, bulk: bool = True) -> list[Any]:
+    def _run(self, commands: Sequence[Command], what: str, bulk: bool = True,
+             receive: tuple[Sink, Sequence[int]] | None = None) -> list[Any]:
         """Each command's reply, in order; `FAILED` where its node failed.
 
         Raises `BackendError` only when the batch had commands and every node it needed failed.
         `bulk=False` keeps redis-py's pipeline (replies as `bytes`, what `_decode` expects).
+        `receive`: (sink, expected reply sizes) for bulk GETs, indexed like ``commands``: each
+        node's bulk replies land where the sink says, as on a single node.
         """
         if not commands:
             return []
@@ -228,9 +254,12 @@ class ClusterRedisTier(RedisTier):
         futures: list[tuple[list[int], Future[list[Any]]]] = []
         for node, indices in groups.values():
             batch = [commands[i] for i in indices]
-            futures.append(
-                (indices, self._executor.submit(self._run_node, cluster, node, batch, bulk))
-            )
+            node_receive = None
+            if receive is not None:
+                sink, sizes = receive
+                node_receive = (_shifted(sink, indices), [sizes[i] for i in indices])
+            futures.append((indices, self._executor.submit(
+                self._run_node, cluster, node, batch, bulk, node_receive)))
         errors: list[BackendError] = []
         for indices, future in futures:
             try:
@@ -277,7 +306,8 @@ class ClusterRedisTier(RedisTier):
         )
 
     def _run_node(
-        self, cluster: RedisCluster, node: ClusterNode, commands: list[Command], bulk: bool
+        self, cluster: RedisCluster, node: ClusterNode, commands: list[Command], bulk: bool,
+        receive: tuple[Sink, list[int]] | None = None,
     ) -> list[Any]:
         """One pipeline on one node under its own gate; redirected commands re-sent.
 
@@ -290,7 +320,11 @@ class ClusterRedisTier(RedisTier):
         def op() -> list[Any]:
             if bulk:
                 try:
-                    return BulkPipeline(client).execute(commands)
+                    if receive is None:
+                        return BulkPipeline(client).execute(commands)
+                    sink, sizes = receive
+                    return BulkPipeline(client).execute(
+                        commands, sink, reply_sizes=sizes, inflight_bytes=INFLIGHT_BYTES)
                 except redis.ResponseError:
                     pass  # MOVED/ASK/OOM...: redo below, keeping each answer (all idempotent)
             pipe = client.pipeline(transaction=False)
@@ -344,3 +378,8 @@ class ClusterRedisTier(RedisTier):
         finally:
             with self._lock:
                 self._refreshing = False
+
+
+def _shifted(sink: Sink, indices: Sequence[int]) -> Sink:
+    """A node's sink: its i-th reply is the batch's reply ``indices[i]``."""
+    return lambda index, length: sink(indices[index], length)

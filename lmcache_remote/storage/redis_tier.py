@@ -19,9 +19,9 @@ Two transports carry the same commands. For a plain single-node `redis.Redis` th
 commands (EXISTS, GET, SET, MSET, EVAL) go through `wire.BulkPipeline` on redis-py's own
 pooled connections: values leave as memoryviews of the chunk buffers (no packer copy) and GET
 replies are received into the chunk's own memory when the value is stored raw, otherwise into
-a reused arena. Any other client (Redis Cluster) uses redis-py's pipeline. Either way a reply
-is used only after the whole batch arrived, and a broken batch is an error, never a partial
-chunk.
+a reused arena. A Redis Cluster client runs the same commands per node (`cluster_tier`).
+Either way a reply is used only after the whole batch arrived, and a broken batch is an error,
+never a partial chunk.
 - Every call goes through `RemoteCaller`: bounded by `remote_timeout`, one immediate retry on
   a broken connection, skipped at once while the health gate backs off.
 """
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 _WINDOW_BYTES = 64 * 1024 * 1024
 #: Reply bytes asked for and not yet read on the fast read path: about two full parts, so
 #: Redis prepares the next reply while this side reads one, and never buffers a whole window.
-_INFLIGHT_BYTES = 8 * 1024 * 1024
+INFLIGHT_BYTES = 8 * 1024 * 1024
 _KEY_CACHE_SIZE = 65536  # chunks whose keys are kept built (a few MiB at most)
 
 
@@ -187,7 +187,7 @@ class RedisTier(StorageTier):
         return [int(c) == len(k) for c, k in zip(counts, key_lists, strict=True)]
 
     def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
-        if self.wire is not None:
+        if self._fast_reads():
             return self._get_wire(specs)
         out: list[MemoryObj] = []
         for window in self._windows(specs):
@@ -349,14 +349,23 @@ class RedisTier(StorageTier):
 
         sizes = [self._part_nbytes(s, p) for s, keys in zip(specs, key_lists, strict=True)
                  for p in range(len(keys))]
+        flat = [("GET", key) for keys in key_lists for key in keys]
+        return _regroup(self._bulk_get(flat, sink, sizes), key_lists)
+
+    def _fast_reads(self) -> bool:
+        """Whether `get` receives through `wire.BulkPipeline` (`_get_wire`)."""
+        return self.wire is not None
+
+    def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int]
+                  ) -> list[Reply]:
+        """Each GET's reply, received where ``sink`` says; None for a missing value."""
 
         def op() -> list[Reply]:
             assert self.wire is not None
-            flat = [("GET", key) for keys in key_lists for key in keys]
-            return self.wire.execute(flat, sink, reply_sizes=sizes,
-                                     inflight_bytes=_INFLIGHT_BYTES)
+            return self.wire.execute(commands, sink, reply_sizes=sizes,
+                                     inflight_bytes=INFLIGHT_BYTES)
 
-        return _regroup(self.caller.call(op), key_lists)
+        return list(self.caller.call(op))
 
     def _part_nbytes(self, spec: ChunkSpec, part: int) -> int:
         """Raw bytes of part ``part`` of the chunk: what its GET is expected to return."""
