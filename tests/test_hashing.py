@@ -20,11 +20,14 @@ def test_matches_spec(salt: str | None) -> None:
 
 def test_input_kinds_agree_and_range_checked() -> None:
     ids = [0, 1, 2**32 - 1, 7]
-    arrays = [tokens_to_array(x) for x in (ids, np.array(ids, dtype=np.uint64),
-                                            torch.tensor(ids, dtype=torch.int64))]
+    kinds = (ids, tuple(ids), iter(ids), np.array(ids, dtype=np.uint64),
+             torch.tensor(ids, dtype=torch.int64), [np.int64(i) for i in ids])
+    arrays = [tokens_to_array(x) for x in kinds]
     for arr in arrays:
         assert arr.dtype == np.dtype("<u4") and arr.tolist() == ids
-    for bad in ([-1], [2**32], torch.tensor([1.0]), torch.tensor([[1, 2]]), ["a"]):
+    assert tokens_to_array([]).tolist() == [] and tokens_to_array(range(3)).tolist() == [0, 1, 2]
+    for bad in ([-1], [2**32], [1.5], [None], [[1, 2]], b"\x01\x00\x00\x00", "ab",
+                torch.tensor([1.0]), torch.tensor([[1, 2]]), ["a"]):
         with pytest.raises(ValueError):
             tokens_to_array(bad)
 
