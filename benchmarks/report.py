@@ -52,7 +52,10 @@ def targets(res: Results, sizes: Any, codecs: Sequence[str]) -> list[str]:
                  f"all miss; target < 5 ms: {_verdict(max(hit, miss) < 5)}.")
     tokens = n * 256
     h = g("lookup", f"hash {tokens} tokens (tensor)")
-    lines.append(f"- hashing {tokens} tokens: {h:.2f} ms; target < 5 ms: {_verdict(h < 5)}.")
+    h_list = g("lookup", f"hash {tokens} tokens (list of ints)")
+    lines.append(f"- hashing {tokens} tokens: {h:.2f} ms from a tensor, {h_list:.2f} ms from a "
+                 f"Python list (as vLLM passes them); target < 5 ms: "
+                 f"{_verdict(max(h, h_list) < 5)}.")
     for row in res.rows:
         if row.section == "memory" and row.name.startswith("Redis allocation"):
             lines.append(f"- {row.name}: Redis allocates {row.value:.3f} bytes per raw KV byte "
