@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 import torch
-from kvutil import engine, tokens, view
+from kvutil import engine, reference_keys, tokens, view
 from servers import RedisServer
+
+from lmcache_remote.storage import redis_tier
 
 
 def test_starts_and_serves_while_redis_is_down_then_reconnects(private_redis: RedisServer,
@@ -77,3 +79,24 @@ def test_hung_redis_costs_one_timeout_then_is_skipped(private_redis: RedisServer
             private_redis.resume()
         assert first < 0.5 + 0.5
         assert burst < 0.5  # skipped at once while backing off
+
+
+def test_a_failing_later_window_frees_every_buffer_of_the_retrieve(
+    redis_url: str, redis_client, key_prefix: str, monkeypatch  # type: ignore[no-untyped-def]
+) -> None:
+    """A retrieve whose Redis reads fail after earlier windows arrived (here a value of the
+    wrong type under a later chunk's key: the server answers WRONGTYPE) misses cleanly and
+    gives every buffer back to the pool, over and over."""
+    monkeypatch.setattr(redis_tier, "_WINDOW_BYTES", 1)  # one chunk per window
+    n = 6 * 256
+    src, _ = view("kv_split", torch.bfloat16, n, seed=3)
+    with engine(redis_url, key_prefix, local_cpu=False, store_async=False) as e:
+        assert e.store(tokens(n), src) == n
+        bad = reference_keys(tokens(n), key_prefix)[4]
+        redis_client.unlink(bad, f"{bad}#1")
+        redis_client.rpush(bad, b"not a chunk")
+        for _ in range(3):
+            dst, _ = view("kv_split", torch.bfloat16, n, seed=None)
+            hit = e.retrieve(tokens(n), dst)
+            assert int(hit.sum()) in (0, 4 * 256)  # nothing, or the chunks before the bad one
+            assert e.stats()["pool"]["used_bytes"] == 0

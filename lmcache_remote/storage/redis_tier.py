@@ -187,17 +187,23 @@ class RedisTier(StorageTier):
         return [int(c) == len(k) for c, k in zip(counts, key_lists, strict=True)]
 
     def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
-        if self._fast_reads():
-            return self._get_wire(specs)
         out: list[MemoryObj] = []
-        for window in self._windows(specs):
-            values = self._fetch([self._keys(s) for s in window])
-            for spec, vals in zip(window, values, strict=True):
-                obj = self._decode(spec, vals)
-                if obj is None:
-                    return out
-                out.append(obj)
-        return out
+        try:
+            if self._fast_reads():
+                self._get_wire(specs, out)
+                return out
+            for window in self._windows(specs):
+                values = self._fetch([self._keys(s) for s in window])
+                for spec, vals in zip(window, values, strict=True):
+                    obj = self._decode(spec, vals)
+                    if obj is None:
+                        return out
+                    out.append(obj)
+            return out
+        except BaseException:  # a later window failed: the earlier ones' buffers go back
+            for obj in out:
+                obj.release()
+            raise
 
     def put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> int:
         batch: list[tuple[list[str], list[Any]]] = []
@@ -294,14 +300,13 @@ class RedisTier(StorageTier):
 
     # -- the fast read path -----------------------------------------------------------------
 
-    def _get_wire(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
-        out: list[MemoryObj] = []
+    def _get_wire(self, specs: Sequence[ChunkSpec], out: list[MemoryObj]) -> None:
+        """Appends the leading run of good chunks to ``out``, window by window."""
         for window in self._windows(specs):
             got, complete = self._get_window(window)
             out.extend(got)
             if not complete:
                 break
-        return out
 
     def _get_window(self, window: Sequence[ChunkSpec]) -> tuple[list[MemoryObj], bool]:
         """The leading run of good chunks of one window, and whether the whole window was."""
