@@ -314,7 +314,7 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         on 32 MiB chunks): a chunk's `[layer, plane]` part is `[tokens, heads * head_size]`
         rows, one `index_select` / row assignment per range, layer and plane, whole blocks at
         a time when the range covers whole blocks in order."""
-        if not self._rows_direct():
+        if not self._rows_direct() or not all(host.is_contiguous() for _, host in group):
             super()._copy_group(layers, group, to_host)
             return
         reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
