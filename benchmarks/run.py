@@ -39,7 +39,7 @@ from benchmarks.timing import Results, Row
 from lmcache_remote import DenseKV, KVView
 from lmcache_remote.serde import DEFAULT_PART_SIZE
 
-CODECS = ("raw", "lz4", "lz4-planes")
+CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +124,9 @@ def rerender(saved: Path, out: Path) -> None:
     data = json.loads(saved.read_text())
     res = Results(echo=False)
     res.rows = [Row(**r) for r in data["rows"]]
+    codecs = tuple(c for c in CODECS if any(r.name == f"engine {c}: store" for r in res.rows))
     out.write_text(report.render(res, MODES[data["mode"]], data["command"], data["machine"],
-                                 data["elapsed"], CODECS))
+                                 data["elapsed"], codecs))
     print(f"wrote {out} from {saved}")
 
 

@@ -10,6 +10,8 @@ and runs a codec on each, on several threads when the codec releases the GIL.
   ``j`` of every element, for 2-, 4- and 8-byte dtypes), each plane an lz4 block or, when lz4
   does not shrink it, stored raw. On KV the high bytes (sign and exponent) compress well and
   the low bytes (mantissa) not at all, which plain lz4 cannot exploit because they interleave.
+- ``zstd-planes`` (id 3): the same planes, each a zstd frame (level 1) or raw: zstd's entropy
+  coding takes the exponent plane much further than lz4 does, at about the same speed.
 
 Decoding never trusts its input: a codec raises `CorruptEntryError` for anything that does not
 decode to exactly the segment's length. lz4 blocks are decompressed straight into the output
@@ -22,10 +24,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import struct
+import threading
 from typing import Any, Protocol
 
 import lz4.block
 import numpy as np
+import zstandard
 
 from lmcache_remote.errors import CorruptEntryError, SerdeError
 
@@ -164,12 +168,19 @@ def _merge_plane(words: np.ndarray, plane: np.ndarray, j: int) -> None:
     np.bitwise_or(words, wide, out=words)
 
 
-class Lz4PlanesCodec:
-    """Byte planes, each lz4-compressed (or kept raw when lz4 does not shrink it)."""
+class _PlanesCodec:
+    """Byte planes, each compressed (or kept raw when compression does not shrink it)."""
 
-    name = "lz4-planes"
-    codec_id = 2
+    name = ""
+    codec_id = -1
     releases_gil = True
+    _mode = 1  # the plane mode of a compressed plane (0 is raw)
+
+    def _compress(self, plane: memoryview) -> bytes:
+        raise NotImplementedError
+
+    def _decompress_into(self, body: memoryview, out: memoryview) -> None:
+        raise NotImplementedError
 
     def encode(self, raw: memoryview, itemsize: int = 1) -> BytesLike:
         planes = itemsize if itemsize in _PLANE_COUNTS and len(raw) % itemsize == 0 else 1
@@ -178,9 +189,9 @@ class Lz4PlanesCodec:
         bodies: list[BytesLike] = []
         for j in range(planes):
             plane = (words >> (8 * j)).astype(np.uint8).data if planes > 1 else raw
-            packed = lz4_compress(plane)
+            packed = self._compress(plane)
             if len(packed) < len(plane):
-                table += PLANE_ENTRY.pack(1, len(packed))
+                table += PLANE_ENTRY.pack(self._mode, len(packed))
                 bodies.append(packed)
             else:
                 table += PLANE_ENTRY.pack(0, len(plane))
@@ -188,14 +199,15 @@ class Lz4PlanesCodec:
         return b"".join([table, *bodies])
 
     def decode(self, data: memoryview, out: memoryview) -> None:
+        name = self.name
         if len(data) < PLANES_HEAD.size:
-            raise CorruptEntryError("lz4-planes part is empty")
+            raise CorruptEntryError(f"{name} part is empty")
         (planes,) = PLANES_HEAD.unpack_from(data)
         if planes not in _PLANE_COUNTS or len(out) % planes:
-            raise CorruptEntryError(f"lz4-planes: {planes} planes for {len(out)} bytes")
+            raise CorruptEntryError(f"{name}: {planes} planes for {len(out)} bytes")
         pos = PLANES_HEAD.size + PLANE_ENTRY.size * planes
         if len(data) < pos:
-            raise CorruptEntryError("lz4-planes part is shorter than its plane table")
+            raise CorruptEntryError(f"{name} part is shorter than its plane table")
         plane_len = len(out) // planes
         words = np.frombuffer(out, dtype=_WORDS[planes])
         scratch = memoryview(bytearray(plane_len)) if planes > 1 else out
@@ -203,25 +215,77 @@ class Lz4PlanesCodec:
             mode, stored = PLANE_ENTRY.unpack_from(data, PLANES_HEAD.size + PLANE_ENTRY.size * j)
             body = data[pos:pos + stored]
             pos += stored
-            if len(body) != stored or mode not in (0, 1):
-                raise CorruptEntryError(f"lz4-planes: plane {j} is cut or has mode {mode}")
+            if len(body) != stored or mode not in (0, self._mode):
+                raise CorruptEntryError(f"{name}: plane {j} is cut or has mode {mode}")
             if mode == 0:
                 if stored != plane_len:
-                    raise CorruptEntryError(f"lz4-planes: raw plane {j} is {stored} bytes")
+                    raise CorruptEntryError(f"{name}: raw plane {j} is {stored} bytes")
                 scratch[:] = body
             else:
-                lz4_decompress_into(body, scratch)
+                self._decompress_into(body, scratch)
             if planes > 1:
                 _merge_plane(words, np.frombuffer(scratch, dtype=np.uint8), j)
         if pos != len(data):
-            raise CorruptEntryError("lz4-planes: bytes left over after the last plane")
+            raise CorruptEntryError(f"{name}: bytes left over after the last plane")
+
+
+class Lz4PlanesCodec(_PlanesCodec):
+    """Byte planes, each lz4-compressed (or kept raw when lz4 does not shrink it)."""
+
+    name = "lz4-planes"
+    codec_id = 2
+    _mode = 1
+
+    def _compress(self, plane: memoryview) -> bytes:
+        return lz4_compress(plane)
+
+    def _decompress_into(self, body: memoryview, out: memoryview) -> None:
+        lz4_decompress_into(body, out)
 
     def max_encoded_nbytes(self, raw_nbytes: int) -> int:
         head = PLANES_HEAD.size + PLANE_ENTRY.size * max(_PLANE_COUNTS)
         return head + _lz4_bound(raw_nbytes) + 16 * max(_PLANE_COUNTS)
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (RawCodec(), Lz4Codec(), Lz4PlanesCodec())}
+class ZstdPlanesCodec(_PlanesCodec):
+    """Byte planes, each a zstd frame at level 1 (or kept raw when zstd does not shrink it).
+
+    zstd's entropy coding gets a bfloat16 exponent plane (~2.6 bits of information per byte)
+    to ~0.37 of its size where lz4 gets 0.67, at about lz4's speed on that plane."""
+
+    name = "zstd-planes"
+    codec_id = 3
+    _mode = 2
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # zstandard's (de)compressors are one per thread
+
+    def _compress(self, plane: memoryview) -> bytes:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = self._local.compressor = zstandard.ZstdCompressor(level=1)
+        return compressor.compress(plane)
+
+    def _decompress_into(self, body: memoryview, out: memoryview) -> None:
+        decompressor = getattr(self._local, "decompressor", None)
+        if decompressor is None:
+            decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
+        try:
+            plain = decompressor.decompress(body, max_output_size=len(out))
+        except zstandard.ZstdError as exc:
+            raise CorruptEntryError(f"zstd-planes: bad zstd frame ({exc})") from None
+        if len(plain) != len(out):
+            raise CorruptEntryError(f"zstd frame holds {len(plain)} bytes, not {len(out)}")
+        out[:] = plain
+
+    def max_encoded_nbytes(self, raw_nbytes: int) -> int:
+        # a plane is kept raw unless its frame is smaller: never more than the plane table
+        return PLANES_HEAD.size + PLANE_ENTRY.size * max(_PLANE_COUNTS) + raw_nbytes
+
+
+CODECS: dict[str, Codec] = {
+    c.name: c for c in (RawCodec(), Lz4Codec(), Lz4PlanesCodec(), ZstdPlanesCodec())
+}
 CODECS_BY_ID: dict[int, Codec] = {codec.codec_id: codec for codec in CODECS.values()}
 
 

@@ -35,7 +35,7 @@ GIB = 1024**3
 ENV_PREFIX = "LMCR_"
 ENV_CONFIG_FILE = "LMCR_CONFIG"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_CODECS = ("raw", "lz4", "lz4-planes")
+_CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes")
 _CERT_REQS = ("required", "optional", "none")
 
 
@@ -55,7 +55,8 @@ class CacheConfig:
     max_local_cpu_size: float = 5.0
     """GiB of CPU memory for chunks: the local tier and the write-behind queue share it."""
     serde: str = "lz4"
-    """Codec of values in Redis: `raw`, `lz4` or `lz4-planes` (byte planes, then lz4)."""
+    """Codec of values in Redis: `raw`, `lz4`, `lz4-planes` (byte planes, then lz4) or
+    `zstd-planes` (byte planes, then zstd)."""
     remote_ttl: float | None = None
     """Expiry of values in Redis, in seconds; None = no expiry (rely on maxmemory-policy)."""
     save_unfull_chunk: bool = False

@@ -24,5 +24,6 @@ def test_benchmark_suite_runs_in_tiny_mode(tmp_path: Path) -> None:
     for row in ("plain socket: retrieve", "redis-benchmark SET", "LMCache pattern: store",
                 "engine lz4: retrieve", "RedisTier raw: store", "store returns (write-behind)",
                 "lookup 16 chunks, all hit", "peak RSS rise", "TTFT 256-token prefix, Redis hit",
-                "bfloat16 tiny-model KV | lz4-planes"):
+                "bfloat16 tiny-model KV | lz4-planes", "engine zstd-planes: store",
+                "bfloat16 tiny-model KV | zstd-planes"):
         assert row in text, row
