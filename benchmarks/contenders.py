@@ -18,13 +18,12 @@ import redis
 import torch
 
 from benchmarks import peers
-from benchmarks.data import CHUNK, Shape, same_kv
-from benchmarks.engine_rows import _config
+from benchmarks.data import Shape, same_kv
+from benchmarks.engine_rows import TierSource, _config
 from benchmarks.limits import PlainSocket, split
 from benchmarks.server import LocalRedis
 from lmcache_remote import CacheEngine, KVView
-from lmcache_remote.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.memory import MemoryObj, MemoryPool
+from lmcache_remote.memory import MemoryObj
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.redis_tier import RedisTier
 
@@ -78,22 +77,6 @@ def lmcache(server: LocalRedis, chunks: Sequence[torch.Tensor]) -> Contender:
                      check=lambda: all(torch.equal(a, b) for a, b in zip(chunks, dests,
                                                                          strict=True)),
                      close=client.close)
-
-
-class TierSource:
-    """The chunks as `MemoryObj`s in one pool, shared by the RedisTier contenders."""
-
-    def __init__(self, shape: Shape, chunks: Sequence[torch.Tensor]) -> None:
-        self.shape = shape
-        self.pool = MemoryPool(2 * len(chunks) * shape.chunk_bytes + (1 << 20), pin_memory=False)
-        db = TokenDatabase(KeyNamespace(shape.name, 1, 0, str(shape.dtype)[6:]), CHUNK, False)
-        self.specs = db.chunks(list(range(len(chunks) * CHUNK)))
-        self.objs: list[MemoryObj] = []
-        for chunk in chunks:
-            obj = self.pool.allocate(tuple(chunk.shape), chunk.dtype)
-            assert obj is not None
-            obj.tensor.copy_(chunk)
-            self.objs.append(obj)
 
 
 def tier(server: LocalRedis, source: TierSource, codec: str) -> Contender:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,29 +32,56 @@ def _config(url: str | None, codec: str, **overrides: Any) -> CacheConfig:
     return CacheConfig(**base)
 
 
-def redis_memory(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor], codec: str
-                 ) -> float:
-    """Growth of Redis's `used_memory` per raw KV byte when the tier writes the chunks."""
-    pool = MemoryPool(len(chunks) * shape.chunk_bytes + (1 << 20), pin_memory=False)
-    db = TokenDatabase(KeyNamespace(shape.name, 1, 0, str(shape.dtype)[6:]), CHUNK, False)
-    specs = db.chunks(list(range(len(chunks) * CHUNK)))
-    objs: list[MemoryObj] = []
-    for chunk in chunks:
-        obj = pool.allocate(tuple(chunk.shape), chunk.dtype)
-        assert obj is not None
-        obj.tensor.copy_(chunk)
-        objs.append(obj)
-    tier = RedisTier(_config(server.url, codec), shape.layout, pool, Metrics())
+class TierSource:
+    """The chunks as `MemoryObj`s in one pool, and their specs (keys); the pool has room for
+    ``copies`` times the chunks (a second copy for what a get reads back)."""
+
+    def __init__(self, shape: Shape, chunks: Sequence[torch.Tensor], copies: int = 2) -> None:
+        self.shape = shape
+        self.pool = MemoryPool(copies * len(chunks) * shape.chunk_bytes + (1 << 20),
+                               pin_memory=False)
+        db = TokenDatabase(KeyNamespace(shape.name, 1, 0, str(shape.dtype)[6:]), CHUNK, False)
+        self.specs = db.chunks(list(range(len(chunks) * CHUNK)))
+        self.objs: list[MemoryObj] = []
+        for chunk in chunks:
+            obj = self.pool.allocate(tuple(chunk.shape), chunk.dtype)
+            assert obj is not None
+            obj.tensor.copy_(chunk)
+            self.objs.append(obj)
+
+    def release(self) -> None:
+        for obj in self.objs:
+            obj.release()
+        self.objs = []
+
+
+@contextlib.contextmanager
+def _tier_put(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor], codec: str,
+              fit: bool = True) -> Iterator[Callable[[], object]]:
+    """A fresh `RedisTier` over the chunks and an emptied server: yields the call that writes
+    them (parts cut uniformly at `remote_part_size` when not ``fit``); empties the server
+    again on exit."""
+    source = TierSource(shape, chunks, copies=1)
+    config = _config(server.url, codec)
+    tier = RedisTier(config, shape.layout, source.pool, Metrics())
+    if not fit:
+        tier.serde = Serde(codec, config.remote_part_size, fit_size_classes=False)
     try:
         server.clear()
-        before = server.used_memory()
-        tier.put([s.key for s in specs], objs)
-        return (server.used_memory() - before) / sum(c.nbytes for c in chunks)
+        yield lambda: tier.put([s.key for s in source.specs], source.objs)
     finally:
         server.clear()
         tier.close()
-        for obj in objs:
-            obj.release()
+        source.release()
+
+
+def redis_memory(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor], codec: str
+                 ) -> float:
+    """Growth of Redis's `used_memory` per raw KV byte when the tier writes the chunks."""
+    with _tier_put(server, shape, chunks, codec) as put:
+        before = server.used_memory()
+        put()
+        return (server.used_memory() - before) / sum(c.nbytes for c in chunks)
 
 
 #: Chunk shapes of real models (layers, KV heads, head size; bfloat16, 256 tokens) for the
@@ -84,30 +112,15 @@ def allocation_rows(server: LocalRedis, total_mib: int) -> dict[str, tuple[float
 
 def _allocated(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor],
                fit: bool) -> float:
-    pool = MemoryPool(len(chunks) * shape.chunk_bytes + (1 << 20), pin_memory=False)
-    db = TokenDatabase(KeyNamespace(shape.name, 1, 0, "bfloat16"), CHUNK, False)
-    objs: list[MemoryObj] = []
-    for chunk in chunks:
-        obj = pool.allocate(tuple(chunk.shape), chunk.dtype)
-        assert obj is not None
-        obj.tensor.copy_(chunk)
-        objs.append(obj)
-    config = _config(server.url, "raw")
-    tier = RedisTier(config, shape.layout, pool, Metrics())
-    tier.serde = Serde("raw", config.remote_part_size, fit_size_classes=fit)
-    client = server.client()
-    try:
-        server.clear()
-        tier.put([s.key for s in db.chunks(list(range(len(chunks) * CHUNK)))], objs)
-        names = list(client.scan_iter(match="bench:*", count=1000))
-        used = sum(int(client.memory_usage(n, samples=0)) for n in names)
+    with _tier_put(server, shape, chunks, "raw", fit) as put:
+        put()
+        client = server.client()
+        try:
+            names = list(client.scan_iter(match="bench:*", count=1000))
+            used = sum(int(client.memory_usage(n, samples=0)) for n in names)
+        finally:
+            client.close()
         return used / sum(c.nbytes for c in chunks)
-    finally:
-        server.clear()
-        client.close()
-        tier.close()
-        for obj in objs:
-            obj.release()
 
 
 def write_behind_rows(server: LocalRedis, shape: Shape, kv: KVView, dest: KVView,

@@ -147,7 +147,7 @@ def _limits(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes
 def _side_by_side(res: Results, server: LocalRedis, shape: Shape, kv: KVView, dest: KVView,
                   chunks: list[torch.Tensor], num_tokens: int, nbytes: int, reps: int) -> None:
     part = min(DEFAULT_PART_SIZE, chunks[0].nbytes)
-    source = contenders.TierSource(shape, chunks)
+    source = engine_rows.TierSource(shape, chunks)
     field = [
         contenders.plain_socket(server, chunks, part),
         contenders.redis_py_whole(server, chunks),
@@ -172,8 +172,7 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, kv: KVView, de
             put_note = get_note = notes[name]
         res.add("side by side", f"{name}: store", gbps(nbytes, t_put), "GB/s", put_note)
         res.add("side by side", f"{name}: retrieve", gbps(nbytes, t_get), "GB/s", get_note)
-    for obj in source.objs:
-        obj.release()
+    source.release()
 
 
 def _engine(res: Results, server: LocalRedis, shape: Shape,
