@@ -336,24 +336,25 @@ class RedisTier(StorageTier):
     ) -> list[list[Reply]]:
         """GETs every part of every chunk in one pipeline; raw parts land in the chunk itself."""
         key_lists = [self._keys(s) for s in specs]
-        places = [(c, p) for c, keys in enumerate(key_lists) for p in range(len(keys))]
+        places = []  # per value: its chunk, part index, and raw byte range in the chunk
+        for c, (spec, keys) in enumerate(zip(specs, key_lists, strict=True)):
+            total = self.layout.nbytes(spec.num_tokens)
+            size = self.serde.part_size_for(total)
+            places += [(c, p, p * size, min(total, (p + 1) * size)) for p in range(len(keys))]
         in_place = self.serde.codec.codec_id == 0
         arena.reserve(sum(o.nbytes for o in objs) + 4096 * len(places) if not in_place else 0)
 
         def sink(index: int, length: int) -> memoryview | list[memoryview]:
-            chunk, part = places[index]
+            chunk, part, start, end = places[index]
             if in_place:
-                raw = objs[chunk].raw_view()
-                part_size = self.serde.part_size_for(len(raw))
-                seg = raw[part * part_size:(part + 1) * part_size]
+                seg = objs[chunk].raw_view()[start:end]
                 head = header_nbytes(len(key_lists[chunk])) if part == 0 else 0
                 if length == head + len(seg):
                     return [arena.take(head), seg] if head else seg
             taken: memoryview = arena.take(length)
             return taken
 
-        sizes = [self._part_nbytes(s, p) for s, keys in zip(specs, key_lists, strict=True)
-                 for p in range(len(keys))]
+        sizes = [end - start for _, _, start, end in places]  # raw: what each GET returns
         flat = [("GET", key) for keys in key_lists for key in keys]
         return _regroup(self._bulk_get(flat, sink, sizes), key_lists)
 
@@ -371,12 +372,6 @@ class RedisTier(StorageTier):
                                      inflight_bytes=INFLIGHT_BYTES)
 
         return list(self.caller.call(op))
-
-    def _part_nbytes(self, spec: ChunkSpec, part: int) -> int:
-        """Raw bytes of part ``part`` of the chunk: what its GET is expected to return."""
-        total = self.layout.nbytes(spec.num_tokens)
-        size = self.serde.part_size_for(total)
-        return max(0, min(size, total - part * size))
 
     def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply]) -> bool:
         """Checks and decodes one chunk's replies into ``obj``; False for a miss or a bad one."""
