@@ -276,6 +276,12 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
             first.device, first.dtype, len(kv_caches), planes, heads, head_size, len(self._slots)
         )
         self._token_dim = _PAGED_AXES[self.layout][2]
+        # the CPU row copies of `_copy_group` (else: staging, as on CUDA)
+        self._rows_direct = (
+            first.device.type == "cpu"
+            and self.layout != "packed"
+            and all(t.is_contiguous() for t in self._layers)
+        )
 
     def _native_shape(self, num_tokens: int) -> tuple[int, ...]:
         if self.layout == "kv_split":
@@ -314,13 +320,14 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         on 32 MiB chunks): a chunk's `[layer, plane]` part is `[tokens, heads * head_size]`
         rows, one `index_select` / row assignment per range, layer and plane, whole blocks at
         a time when the range covers whole blocks in order."""
-        if not self._rows_direct() or not all(host.is_contiguous() for _, host in group):
+        if not self._rows_direct or not all(host.is_contiguous() for _, host in group):
             super()._copy_group(layers, group, to_host)
             return
         reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         writes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for (start, end), host in group:
             rows, index = self._row_index(self._slots[start:end])
+            index_np = index.numpy()
             for layer in layers:
                 cache = self._layers[layer]
                 planes = (cache[0], cache[1]) if self.layout == "kv_split" else (cache,)
@@ -330,18 +337,11 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
                     if to_host:
                         reads.append((cache_rows, index, chunk_rows))
                     else:
-                        writes.append((_bytes(cache_rows), index.numpy(), _bytes(chunk_rows)))
+                        writes.append((_bytes(cache_rows), index_np, _bytes(chunk_rows)))
         if reads:
             _run_split(_select_rows, reads)
         if writes:
             _run_split(_assign_rows, writes)
-
-    def _rows_direct(self) -> bool:
-        return (
-            self.device.type == "cpu"
-            and self.layout != "packed"
-            and all(t.is_contiguous() for t in self._layers)
-        )
 
     def _row_index(self, slots: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(rows per plane, row index): block ids when `slots` are whole blocks, each in
