@@ -45,7 +45,7 @@ from lmcache_remote.engine import CacheEngine
 from lmcache_remote.errors import ConfigError
 from lmcache_remote.integrations.embedded import EmbeddedServer, ping
 from lmcache_remote.integrations.huggingface import CachedLM, engine_metadata
-from lmcache_remote.keys import prefix_pattern, scan_pattern
+from lmcache_remote.keys import prefix_pattern, scan_pattern, split_part_key
 from lmcache_remote.serde import dtype_name
 from lmcache_remote.storage.client import make_client
 
@@ -212,7 +212,7 @@ def _usage(config: CacheConfig) -> tuple[int, int, int]:
         pipe = client.pipeline(transaction=False)
         for key in keys:
             pipe.strlen(key)
-        heads = sum(1 for k in keys if b"#" not in k.rsplit(b"}", 1)[-1])
+        heads = sum(1 for k in keys if split_part_key(config.key_prefix, k)[1] == 0)
         return heads, len(keys), int(sum(pipe.execute())) if keys else 0
     finally:
         client.close()
