@@ -7,7 +7,7 @@ from typing import Any
 import click
 from lmcache_remote_cli.context import CliContext, common_options
 from lmcache_remote_cli.filters import build_filter, filter_options
-from lmcache_remote_cli.output import size
+from lmcache_remote_cli.transfer import report_transfer
 
 
 @click.command()
@@ -19,11 +19,6 @@ def export(cx: CliContext, filter_args: dict[str, Any], file: str) -> None:
     flt = build_filter(filter_args, cx.config.chunk_size)
     with cx.progress("exporting", unit="entries") as advance:
         result = cx.admin.export(file, flt, advance)
-    if cx.json:
-        cx.emit({"file": file, "entries": result.chunks, "bytes": result.bytes,
-                 "skipped": result.skipped})
-        return
-    cx.out.print(f"exported {result.chunks} entries ({size(result.bytes)}) to {file}",
-                 markup=False)
-    if result.skipped:
+    report_transfer(cx, file, result, "exported to")
+    if result.skipped and not cx.json:
         cx.warn(f"{result.skipped} entries vanished during the export and were left out")

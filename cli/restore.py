@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 from lmcache_remote_cli.context import CliContext, common_options
-from lmcache_remote_cli.output import size
-from lmcache_remote_cli.transfer import import_file
+from lmcache_remote_cli.transfer import import_file, report_transfer
 
 
 @click.command(name="import")
@@ -13,10 +12,4 @@ from lmcache_remote_cli.transfer import import_file
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 def import_(cx: CliContext, file: str) -> None:
     """Import FILE (an export) under the prefix; a damaged file imports nothing."""
-    result = import_file(cx, file, skip_existing=False)
-    if cx.json:
-        cx.emit({"file": file, "entries": result.chunks, "bytes": result.bytes,
-                 "skipped": result.skipped})
-        return
-    cx.out.print(f"imported {result.chunks} entries ({size(result.bytes)}) from {file}",
-                 markup=False)
+    report_transfer(cx, file, import_file(cx, file, skip_existing=False), "imported from")
