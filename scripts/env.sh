@@ -71,3 +71,35 @@ pip_install_project() {
     say "installing lmcache-remote[$1] (editable)"
     "$PY" -m pip install -q -e ".[$1]" >&2
 }
+
+# Side environments: vLLM and LMCache each need a CUDA torch build of their own (several GB), so
+# each lives in a virtual environment outside the checkout, reused by every clone and CI run on
+# this machine: $LMCR_ENV_DIR (default ~/.cache/lmcache-remote/envs)/NAME.
+#
+# ensure_side_env NAME STEP...: create that environment once; each STEP is one pip install
+#   argument string, run in order (torch first, so the pin decides which build comes). A stamp
+#   file records the steps: when they change, the environment is rebuilt; when it is there and
+#   matches, nothing is downloaded. Prints the environment's python on stdout.
+LMCR_ENV_DIR="${LMCR_ENV_DIR:-$HOME/.cache/lmcache-remote/envs}"
+
+ensure_side_env() {
+    local name="$1"; shift
+    local dir="$LMCR_ENV_DIR/$name" stamp want
+    stamp="$dir/.lmcr-stamp"
+    want="$(printf '%s\n' "$@")"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$dir/bin/python" -c "" 2>/dev/null; then
+        say "side environment $name ready ($dir)"
+    else
+        say "building side environment $name in $dir (a CUDA torch build: several GB, minutes)"
+        rm -rf "$dir"
+        mkdir -p "$LMCR_ENV_DIR"
+        "$PYTHON" -m venv "$dir" >&2 || { apt_install python3-venv; "$PYTHON" -m venv "$dir" >&2; }
+        local step
+        for step in "$@"; do
+            # shellcheck disable=SC2086  # each step is a list of pip arguments
+            "$dir/bin/python" -m pip install -q $step >&2
+        done
+        printf '%s\n' "$want" >"$stamp"
+    fi
+    printf '%s\n' "$dir/bin/python"
+}
