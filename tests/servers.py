@@ -51,6 +51,7 @@ __all__ = [
     "find_redis_server",
     "find_valkey_server",
     "free_port",
+    "listen_addresses",
     "ping",
     "server_version",
 ]
@@ -88,6 +89,25 @@ def free_port(host: str = LOOPBACK) -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def listen_addresses(port: int) -> list[str]:
+    """The local addresses of every TCP socket of this host listening on ``port``, from the
+    kernel's own tables (``/proc/net/tcp``, ``/proc/net/tcp6``): where a server really bound,
+    whatever its arguments said (``0.0.0.0`` / ``::`` = every interface)."""
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            next(f)  # the header line
+            for line in f:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state != "0A" or int(hex_port, 16) != port:  # 0A = LISTEN
+                    continue
+                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append(socket.inet_ntop(family, packed))
+    return sorted(found)
 
 
 def ping(url: str, timeout: float = 0.5) -> bool:

