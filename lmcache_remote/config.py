@@ -71,8 +71,9 @@ class CacheConfig:
     store_queue_size: float = 1.0
     """GiB of chunks the write-behind queue may hold; past it new writes are dropped and counted."""
     remote_part_size: int = 4 * 1024 * 1024 - 64 * 1024
-    """The most raw bytes per Redis value: each chunk is cut into parts of at most this, sized
-    to fill Redis's allocation size classes (`lmcache_remote.sizing`)."""
+    """The most raw bytes per Redis value, 4096 to 512 MiB: each chunk is cut into parts of at
+    most this, sized to fill Redis's allocation size classes (`lmcache_remote.sizing`; the
+    part plan in docs/value-format.md)."""
     serde_threads: int = 0
     """Threads for compression; 0 = one per CPU core."""
     ssl_ca_certs: str | None = None

@@ -30,6 +30,7 @@ from lmcache_remote.keys import scan_pattern, split_part_key
 from lmcache_remote.storage.client import make_client
 from lmcache_remote.storage.cluster_tier import ClusterRedisTier
 from tests import kvutil
+from tests import test_foreign_writer as foreign
 from tests.cluster_servers import ClusterServers
 from tests.servers import RedisServer, ServerNotFoundError, ServerStartError, ValkeyServer
 
@@ -312,3 +313,22 @@ def test_valkey_cluster_works_the_same_even_when_it_starts_after_the_engine(
         assert all(_keys_on(m, key_prefix) for m in servers.masters)
     finally:
         servers.stop()
+
+
+def test_chunks_cut_by_another_writer_count_as_they_read(cluster: ClusterServers,
+                                                         key_prefix: str) -> None:
+    """test_foreign_writer's check on the cluster tier: chunks written from the docs alone,
+    cut every which way, spread over the masters; lookup == retrieve, bit-exact, and a chunk
+    missing a listed part is absent to both."""
+    tokens = list(range(300, 300 + foreign.CHUNK * len(foreign.CUTS)))
+    keys, values = kvutil.dense_cache(len(tokens), foreign.DTYPE, seed=8)
+    client = make_client(CacheConfig(remote_url=cluster.url))
+    try:
+        names = foreign.write_foreign_chunks(client, tokens, keys, values, key_prefix)
+        foreign.check_lookup_is_retrieve(cluster.url, key_prefix, tokens, keys, values,
+                                         len(tokens))
+        assert client.unlink(f"{names[1]}#1") == 1  # chunk 1: 4 parts, the plan names 2
+        foreign.check_lookup_is_retrieve(cluster.url, key_prefix, tokens, keys, values,
+                                         foreign.CHUNK)
+    finally:
+        client.close()
