@@ -92,3 +92,16 @@ def test_key_schema_lists_every_key_the_project_writes() -> None:
     ]
     for key in expected:
         assert f"| `{key}` |" in table, key
+
+
+def test_metrics_doc_names_every_counter_the_code_counts() -> None:
+    """Every counter name written out in the library (`metrics.inc("scope.name")`, and the
+    per-tier `f"{tier}.name"` ones for both tiers) is in docs/metrics.md's table."""
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    source = "\n".join(p.read_text() for p in (ROOT / "lmcache_remote").rglob("*.py"))
+    names = set(re.findall(r"\.(?:inc|observe)\(\s*\"([a-z_]+\.[a-z_]+)\"", source))
+    for leaf in re.findall(r"\.inc\(\s*f\"\{tier\}\.([a-z_]+)\"", source):
+        names |= {f"local.{leaf}", f"remote.{leaf}"}
+    assert len(names) > 20
+    missing = sorted(n for n in names if f"`{n}`" not in doc)
+    assert missing == []
