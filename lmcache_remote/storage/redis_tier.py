@@ -9,7 +9,9 @@ round trip.
 - `contains`: one pipeline of `EXISTS key part1 ...` per chunk; present = all parts there.
   A chunk with only some of its planned keys there may have been cut another way by another
   writer: for those chunks alone, its header's part count decides (two more round trips), so
-  `contains` counts what `get` reads.
+  `contains` counts what `get` reads (one limit: a chunk cut into more parts than planned is
+  counted by its planned keys; a later part of it evicted is found, and the chunk deleted, by
+  the `get`; docs/value-format.md).
 - `get`: pipelined GETs in windows of about `_WINDOW_BYTES`; each value is decoded and checked
   against the key (hash, dtype, shape, token count, every part's checksum). The first missing
   or bad chunk ends the run; a bad one is counted and deleted so nobody trips on it again.
