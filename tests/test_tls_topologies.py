@@ -82,7 +82,6 @@ def _round_trip(url: str, prefix: str, tokens: torch.Tensor, seed: int) -> int:
     with _engine(url, prefix) as writer:
         writer.store(tokens, PagedKV(src, slots))
     with _engine(url, prefix) as reader:
-        assert reader.lookup(tokens) in (0, TOKENS)
         dst = kvutil.paged_cache("kv_split", torch.bfloat16, None)
         hit = reader.retrieve(tokens, PagedKV(dst, slots))
         n = int(hit.sum())
@@ -131,12 +130,16 @@ def test_rediss_sentinel_round_trip_and_fail_over(tls_sentinel: SentinelSetup, p
         client.execute_command("SENTINEL", "FAILOVER", SERVICE)
     assert wait_for(lambda: tls_sentinel.master_port() == tls_sentinel.replica.port)
 
-    def served_by_the_new_master(base: list[int] = [10_000_000]) -> bool:  # noqa: B006
-        base[0] += 100_000
-        if _round_trip(url, key_prefix, torch.arange(TOKENS) + base[0], seed=4) != TOKENS:
-            return False  # the old master still accepted it, or no master yet: try again
-        with tls_sentinel.replica.client() as client:
-            return bool(client.execute_command("ROLE")[0] == b"master")
+    requests = iter(range(10_000_000, 100_000_000, 100_000))  # fresh tokens every try
+
+    def served_by_the_new_master() -> bool:
+        tokens = torch.arange(TOKENS) + next(requests)
+        if _round_trip(url, key_prefix, tokens, seed=4) != TOKENS:
+            return False  # no master yet: a miss, never an exception
+        first_key = kvutil.reference_keys(tokens.tolist(), key_prefix, chunk=CHUNK)[0]
+        with tls_sentinel.replica.client() as client:  # written to the promoted replica
+            return bool(client.execute_command("ROLE")[0] == b"master"
+                        and client.exists(first_key))
 
     assert wait_for(served_by_the_new_master, limit=60, poll=0.2)
     # what had reached the replica before the fail-over is served by it now, over TLS
