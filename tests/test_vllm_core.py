@@ -1,17 +1,25 @@
-"""The vLLM-free decisions of the connector: hit counting, plans across steps, layouts.
+"""The vLLM-free decisions of the connector: hit counting, plans across steps, layouts, dtypes,
+and the scheduler's `PrefixLookup` against a real Redis.
 
-The scheduler side is given a lookup function that answers a fixed number of hit tokens (the
-real one asks Redis; its answers are covered by test_vllm_connector.py)."""
+These run in the project's own environment, without vLLM. They cannot show that vLLM calls
+the hooks in this order, with these values, on caches of these shapes, or that a load is in
+place before attention reads it: `tests/vllm_real/` shows that inside vLLM 0.33 (run by
+scripts/test.sh in its own environment). Here the scheduler side gets a lookup function that
+answers a fixed number of hit tokens, and the plans are fed hand-made requests."""
 
 from __future__ import annotations
 
 import pytest
+import redis
 import torch
 
-from lmcache_remote import ConfigError
+from lmcache_remote import CacheConfig, CacheEngine, ConfigError, DenseKV
+from lmcache_remote.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.integrations.vllm_core import (
     CachedRequest,
+    KVGeometry,
     NewRequest,
+    PrefixLookup,
     SchedulerSide,
     Span,
     cache_torch_dtype,
@@ -108,24 +116,93 @@ def test_slot_mapping_and_layouts() -> None:
     with pytest.raises(ValueError):
         slot_mapping([3], 4, 5)
     flash = torch.zeros(10, 2, 16, 2, 8)
-    view, layout = layer_view(flash)
+    view, layout = layer_view(flash, use_mla=False)
     assert layout == "kv_split" and view.shape == (2, 10, 16, 2, 8)
     view[1, 3, 4] = 1.0
     assert flash[3, 1, 4].eq(1.0).all()  # a view, no copy
-    assert layer_view(torch.zeros(2, 10, 16, 2, 8))[1] == "kv_split"
-    assert layer_view(torch.zeros(10, 2, 16, 16))[1] == "packed"
-    assert layer_view(torch.zeros(10, 16, 576))[1] == "mla"
+    assert layer_view(torch.zeros(2, 10, 16, 2, 8), use_mla=False)[1] == "kv_split"
+    assert layer_view(torch.zeros(10, 2, 16, 16), use_mla=False)[1] == "packed"
+    # MLA: vLLM 0.33's [blocks, 1, block_size, latent] has the packed layout's rank; only the
+    # spec tells them apart
+    mla4 = torch.zeros(10, 1, 16, 576)
+    view, layout = layer_view(mla4, use_mla=True)
+    assert layout == "mla" and view.shape == (10, 16, 576)
+    assert view.data_ptr() == mla4.data_ptr()
+    assert layer_view(mla4, use_mla=False)[1] == "packed"
+    assert layer_view(torch.zeros(10, 16, 576), use_mla=True)[1] == "mla"
     with pytest.raises(ValueError):
-        layer_view(torch.zeros(10))
+        layer_view(torch.zeros(10), use_mla=False)
+    with pytest.raises(ValueError):
+        layer_view(torch.zeros(10, 2, 16, 16), use_mla=True)
+
+
+def test_fp8_caches_are_viewed_as_their_values() -> None:
+    raw = torch.arange(10 * 2 * 16 * 16, dtype=torch.int64).remainder(120).to(torch.uint8)
+    raw = raw.reshape(10, 2, 16, 16)
+    view, _ = layer_view(raw, use_mla=False, dtype=torch.float8_e5m2)
+    assert view.dtype == torch.float8_e5m2 and torch.equal(view.view(torch.uint8), raw)
+    with pytest.raises(ValueError, match="cannot be viewed"):
+        layer_view(raw, use_mla=False, dtype=torch.bfloat16)
 
 
 def test_cache_dtypes_and_settings() -> None:
     assert cache_torch_dtype("auto", torch.float16) is torch.float16
-    assert cache_torch_dtype("fp8_e4m3", torch.bfloat16) is torch.uint8
+    for name in ("fp8", "fp8_e4m3", "fp8_inc"):
+        assert cache_torch_dtype(name, torch.bfloat16) is torch.float8_e4m3fn
+    assert cache_torch_dtype("fp8_e5m2", torch.bfloat16) is torch.float8_e5m2
     assert cache_torch_dtype("bfloat16", torch.float16) is torch.bfloat16
-    with pytest.raises(ConfigError):
-        cache_torch_dtype("nonsense", torch.float16)
+    for name in ("nonsense", "fp8_ds_mla", "int8_per_token_head", "turboquant_k8v4"):
+        with pytest.raises(ConfigError, match="cache_dtype"):
+            cache_torch_dtype(name, torch.float16)
     settings = load_settings({"remote_url": None, "model_name": "served/name"})
     assert settings.model_name == "served/name" and settings.layerwise is True
     with pytest.raises(ConfigError, match="bogus"):
         load_settings({"bogus": 1})
+
+
+def test_a_rolled_back_request_stores_its_chunks_again() -> None:
+    """vLLM truncates a request's computed tokens at the first block of a short load and
+    recomputes from there: what the hit had counted as stored is stored again."""
+    s = side(768)
+    prompt = list(range(1000))
+    s.num_new_matched_tokens("r", prompt, 0)
+    s.after_alloc("r", 768)
+    (plan,) = s.build([NewRequest("r", prompt, blocks(1000), 768)], [], {"r": 232})
+    assert plan.save is None  # [0, 768) counted as stored, no new full chunk
+    (plan,) = s.build([], [CachedRequest("r", None, False, 256)], {"r": 744})
+    assert plan.load is None and plan.save == Span(256, 256, 768)
+
+
+def geometry() -> KVGeometry:
+    return KVGeometry(2, 2, 8, torch.bfloat16, False)
+
+
+def test_prefix_lookup_without_a_remote_tier_finds_nothing() -> None:
+    ns = [KeyNamespace("m", 1, 0, "bfloat16")]
+    lookup = PrefixLookup(CacheConfig(remote_url=None), geometry().metadata("m", 1, 0).layout,
+                          ns)
+    assert lookup(list(range(600))) == 0
+    lookup.close()
+
+
+def test_prefix_lookup_counts_what_every_rank_holds(private_redis) -> None:
+    config = CacheConfig(remote_url=private_redis.url, remote_timeout=0.5, chunk_size=C,
+                         store_async=False, local_cpu=False, stats_publish_interval=None)
+    tokens = list(range(600))
+    for rank in range(2):
+        kv = DenseKV([torch.randn(2, 600, 8).to(torch.bfloat16) for _ in range(2)],
+                     [torch.randn(2, 600, 8).to(torch.bfloat16) for _ in range(2)])
+        with CacheEngine(config, geometry().metadata("m", 2, rank)) as engine:
+            assert engine.store(tokens, kv) == 512
+    ns = [geometry().metadata("m", 2, r).namespace for r in range(2)]
+    lookup = PrefixLookup(config, geometry().metadata("m", 2, 0).layout, ns)
+    assert lookup(tokens) == 512
+    client = redis.Redis.from_url(private_redis.url)
+    second = TokenDatabase(ns[1], C, False).prefix_keys(tokens)[1]
+    assert client.unlink(second.key.redis_key(config.key_prefix)) == 1
+    assert lookup(tokens) == 256  # rank 1 lacks the second chunk
+    assert lookup(tokens, "other salt") == 0
+    private_redis.kill()
+    assert lookup(list(range(600))) == 0
+    assert lookup.metrics.counters()["lookup.remote_errors"] >= 1
+    lookup.close()

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from lmcache_remote.engine import CacheEngine
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
 from lmcache_remote.metrics import RateLimitedLogger
 
@@ -100,6 +99,12 @@ class SchedulerSide:
             known = self._trackers.get(creq.req_id)
             if known is None:
                 continue
+            if creq.num_computed_tokens < known.stored_end:
+                # vLLM rolled the request back (a load came back short and is recomputed, or
+                # a preempted request resumed with a shorter hit): what it computes again is
+                # stored again, from the chunk it restarts in. Chunks still in Redis are
+                # skipped by the store's existence check.
+                known.stored_end = creq.num_computed_tokens // self.chunk_size * self.chunk_size
             if creq.resumed:
                 known.block_ids = list(creq.new_block_ids or [])
             elif creq.new_block_ids:
@@ -140,12 +145,3 @@ class SchedulerSide:
         start = tracker.stored_end // self.chunk_size * self.chunk_size
         return Span(start, tracker.stored_end, end)
 
-
-def lookup_over_ranks(engines: Sequence[CacheEngine]) -> Callable[[Sequence[int], str | None],
-                                                                    int]:
-    """A lookup that counts a token only when every rank's namespace holds it."""
-
-    def lookup(tokens: Sequence[int], salt: str | None) -> int:
-        return min(engine.lookup(tokens, cache_salt=salt) for engine in engines)
-
-    return lookup

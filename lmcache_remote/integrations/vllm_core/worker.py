@@ -40,7 +40,9 @@ class WorkerSide:
         self._plans: list[RequestPlan] = []
         self._loads: list[_PendingLoad] = []
         self._stores: list[_PendingStore] = []
+        self._loads_started = False
         self._stores_started = False
+        self._short_loads: set[str] = set()
         self._errors: set[int] = set()
         self._log = RateLimitedLogger(logger)
 
@@ -48,13 +50,17 @@ class WorkerSide:
     def registered(self) -> bool:
         return self.engine is not None
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: Mapping[str, torch.Tensor], *, use_mla: bool,
+                 dtype: torch.dtype | None = None, block_size: int | None = None) -> None:
+        """Take the per-layer caches (in layer order). `use_mla` and `dtype` come from the KV
+        cache spec (see `layer_view`); `block_size` is the scheduler's block size, in which
+        block ids are reported (default: the tensors' own)."""
         if not kv_caches:
             raise ValueError("no KV cache layers to register")
         if self.engine is not None:  # registered again (new caches): start over
             self.close()
             self.engine = None
-        views = [layer_view(t) for t in kv_caches.values()]
+        views = [layer_view(t, use_mla=use_mla, dtype=dtype) for t in kv_caches.values()]
         layouts = {layout for _, layout in views}
         if len(layouts) != 1:
             raise ValueError(f"KV cache layers mix layouts {sorted(layouts)}")
@@ -62,26 +68,40 @@ class WorkerSide:
         self._layers = [v for v, _ in views]
         self._layout = layouts.pop()
         probe = PagedKV(self._layers, [], layout=self._layout)
-        self._block_size = probe.block_size
+        self._block_size = block_size or probe.block_size
         self.geometry = KVGeometry(probe.num_layers, probe.num_kv_heads, probe.head_size,
                                    probe.dtype, self._layout == "mla")
         meta = self.geometry.metadata(self.model_name, self.world_size, self.rank)
         self.engine = CacheEngine(self.settings.config, meta)
 
-    def start_load(self, plans: Sequence[RequestPlan]) -> None:
-        self._finish_loads()  # nothing may survive from an earlier step
+    def begin_step(self, plans: Sequence[RequestPlan]) -> None:
+        """The step's plans, as vLLM binds them before the forward. Everything of the last
+        step ends here (its loads finished, unstarted stores dropped): nothing may outlive it."""
+        self._finish_loads()
         self._abort_stores()
         self._plans = list(plans)
+        self._loads_started = False
         self._stores_started = False
+        self._short_loads = set()
+
+    def start_load(self) -> None:
+        """Start this step's loads (once; later calls do nothing). vLLM calls it before the
+        forward in steps with a synchronous load, after it otherwise: a step whose plans
+        load anything is always one of the former, and `wait_for_layer` starts them too."""
+        if self._loads_started or not self.registered:
+            return
+        self._loads_started = True
         for plan in self._plans:
             if plan.load is not None and plan.load.end > plan.load.start:
                 self._guard(plan, "load", self._start_one_load)
 
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
-        if layer is not None:
-            for pending in list(self._loads):
-                self._step_load(pending, layer + 1)
+        if layer is None:
+            return
+        self.start_load()
+        for pending in list(self._loads):
+            self._step_load(pending, layer + 1)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
@@ -89,20 +109,27 @@ class WorkerSide:
             return
         self._start_stores()
         for pending in list(self._stores):
-            self._step_store(pending, layer + 1)
+            if pending.plan.req_id in self._short_loads:
+                self._drop_store(pending)
+            else:
+                self._step_store(pending, layer + 1)
 
     def wait_for_save(self) -> None:
+        self.start_load()
         self._finish_loads()
         if not self.can_save:
             return
         if self.settings.layerwise:
             self._start_stores()
             for pending in list(self._stores):
-                self._step_store(pending, pending.total_steps)
+                if pending.plan.req_id in self._short_loads:
+                    self._drop_store(pending)
+                else:
+                    self._step_store(pending, pending.total_steps)
             self._stores = []
             return
         for plan in self._plans:
-            if plan.save is not None:
+            if plan.save is not None and plan.req_id not in self._short_loads:
                 self._guard(plan, "store", self._store_whole)
 
     def take_load_errors(self) -> set[int]:
@@ -168,10 +195,12 @@ class WorkerSide:
             self._step_load(pending, pending.num_layers)
 
     def _report_misses(self, plan: RequestPlan, hit_end: int) -> None:
-        """Blocks of the planned tokens that were not loaded: vLLM recomputes from there."""
+        """Blocks of the planned tokens that were not loaded: vLLM recomputes from there. The
+        request's store of this step is dropped: its new KV was computed over the gap."""
         span = _span(plan.load)
         first = max(hit_end, span.start)
         if first < span.end:
+            self._short_loads.add(plan.req_id)
             slots = plan.slot_mapping[first: span.end]
             self._errors.update(int(b) for b in torch.unique(slots // self._block_size))
             if self.engine is not None:
@@ -211,6 +240,13 @@ class WorkerSide:
         for pending in self._stores:
             pending.gen.close()
         self._stores = []
+
+    def _drop_store(self, pending: _PendingStore) -> None:
+        pending.gen.close()
+        if pending in self._stores:
+            self._stores.remove(pending)
+        if self.engine is not None:
+            self.engine.metrics.inc("vllm.dropped_store_requests")
 
     def _store_whole(self, plan: RequestPlan) -> None:
         span = _span(plan.save)
