@@ -23,8 +23,9 @@
   that rank's part of the step, since several ranks and engines share this process.
 
 What this cannot show: CUDA copies, pinned memory, CUDA graphs, real attention kernels,
-separate worker processes (the connector's metadata is not pickled across processes here).
-`scripts/gpu_check_vllm.sh` covers those on a GPU machine.
+separate worker processes (the connector's metadata is not pickled across processes here),
+a real model's outputs. `scripts/gpu_check_vllm.sh` is written to check those on a GPU machine
+(it has not run yet: no GPU was available).
 """
 
 from __future__ import annotations

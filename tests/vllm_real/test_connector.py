@@ -435,10 +435,18 @@ def test_scheduler_side_is_no_engine(engines: Engines, redis_client: redis.Redis
 
 # -- CUDA graphs and other requests ------------------------------------------------------------
 
-def test_layerwise_asks_vllm_for_piecewise_cuda_graphs() -> None:
-    assert LmcrConnector.requires_piecewise_for_cudagraph({}) is True
-    assert LmcrConnector.requires_piecewise_for_cudagraph({"layerwise": True}) is True
-    assert LmcrConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
+def test_layerwise_asks_vllm_for_piecewise_cuda_graphs(engines: Engines) -> None:
+    """Asked as VllmConfig asks it (the class from the factory, the extra config). VllmConfig's
+    own override cannot run here: the CPU platform turns CUDA graphs off before it;
+    scripts/gpu_check_vllm.sh looks for vLLM's override message on a GPU."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for layerwise, piecewise in ((True, True), (False, False)):
+        transfer = engines(layerwise=layerwise).config.kv_transfer_config
+        cls = KVConnectorFactory.get_connector_class(transfer)
+        assert cls.requires_piecewise_for_cudagraph(
+            transfer.kv_connector_extra_config) is piecewise
+    assert LmcrConnector.requires_piecewise_for_cudagraph({}) is True  # the default
 
 
 def test_requests_not_named_by_their_tokens_pass_through(engines: Engines) -> None:
