@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import redis
 import torch
+from kvutil import chunk_heads
 
 from lmcache_remote import CacheConfig, CacheEngine, ConfigError, DenseKV
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase
@@ -20,6 +21,7 @@ from lmcache_remote.integrations.vllm_core import (
     KVGeometry,
     NewRequest,
     PrefixLookup,
+    RequestPlan,
     SchedulerSide,
     Span,
     cache_torch_dtype,
@@ -27,6 +29,7 @@ from lmcache_remote.integrations.vllm_core import (
     load_settings,
     slot_mapping,
 )
+from lmcache_remote.integrations.vllm_core.worker import WorkerSide
 
 C, B = 256, 16
 
@@ -206,3 +209,52 @@ def test_prefix_lookup_counts_what_every_rank_holds(private_redis) -> None:
     assert lookup(list(range(600))) == 0
     assert lookup.metrics.counters()["lookup.remote_errors"] >= 1
     lookup.close()
+
+
+def test_stores_over_a_load_gap_wait_for_the_rollback(private_redis) -> None:
+    """A short load leaves a gap; the worker drops the request's stores that start past it
+    (their KV was computed over missing tokens) until a plan made after vLLM's rollback
+    arrives. The second step here is what asynchronous scheduling produces: planned before the
+    failure was seen. That scheduling order itself has not run inside vLLM (tests/vllm_real
+    steps synchronously); here the plans are hand-made."""
+    config = {"remote_url": private_redis.url, "chunk_size": C, "store_async": False,
+              "local_cpu": False, "stats_publish_interval": None}
+    tokens = list(range(1300))
+    slots = slot_mapping(blocks(1300), B, 1300)
+
+    def worker() -> WorkerSide:
+        side = WorkerSide(load_settings(config), "m", 1, 0)
+        caches = {f"l{i}": torch.randn(200, 2, B, 16).to(torch.bfloat16) for i in range(2)}
+        side.register(caches, use_mla=False, dtype=torch.bfloat16, block_size=B)
+        return side
+
+    def step(side: WorkerSide, load: Span | None, save: Span | None) -> set[int]:
+        side.begin_step([RequestPlan("r", tokens, slots, None, load, save)])
+        side.start_load()
+        for name in ("l0", "l1"):
+            side.wait_for_layer(name)
+            side.save_layer(name)
+        side.wait_for_save()
+        return side.take_load_errors()
+
+    client = redis.Redis.from_url(private_redis.url)
+
+    def stored() -> int:
+        return len(chunk_heads(client.scan_iter(match="lmcr:v1:*")))
+
+    first = worker()
+    assert step(first, None, Span(0, 0, 768)) == set()
+    assert stored() == 3
+    ns = first.engine.token_db.namespace
+    gone = TokenDatabase(ns, C, False).prefix_keys(tokens)[1].key.redis_key("lmcr")
+    assert client.unlink(gone) == 1
+    second = worker()
+    errors = step(second, Span(0, 0, 768), Span(768, 768, 1024))
+    assert errors == {b for b in blocks(1300)[16:48]}
+    assert stored() == 2  # chunk 3 was computed over the gap: not stored
+    assert step(second, None, Span(1024, 1024, 1280)) == set()
+    assert stored() == 2  # planned before the rollback: dropped too
+    assert step(second, None, Span(256, 256, 1280)) == set()
+    assert stored() == 5  # after the rollback: chunks 1-4 stored, the lost one back
+    first.close()
+    second.close()

@@ -150,6 +150,7 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                    set[str] | None]:
+        self._worker_side().forget(finished_req_ids)
         return None, None  # every transfer completes within its step
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -39,8 +39,8 @@ Worker side (`WorkerSide`, one per rank, in the worker process):
   of every pending load; when it returns, the layer's loaded KV is in the cache.
 - `save_layer(name)`: layer-wise: copies that layer of every planned store (`store_layer`).
 - `wait_for_save()`: finishes every store of the step (whole: `store` here) and any load left.
-  A request whose load came back short stores nothing this step (its new KV was computed
-  over the missing tokens); vLLM recomputes it and the scheduler plans the store again.
+  A request whose load came back short stores nothing past the gap (that KV was computed
+  over the missing tokens) until a plan made after vLLM's rollback arrives (`begin_step`).
 - `take_load_errors()`: the block ids whose planned KV did not arrive (a miss, a corrupt chunk,
   Redis down, any exception), so vLLM recomputes from the first of them. Nothing here raises
   into vLLM: a failure is logged, counted and reported as data.

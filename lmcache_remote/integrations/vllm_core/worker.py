@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ class WorkerSide:
         self._stores: list[_PendingStore] = []
         self._loads_started = False
         self._stores_started = False
-        self._short_loads: set[str] = set()
+        self._gaps: dict[str, int] = {}  # request -> first planned token that did not load
         self._errors: set[int] = set()
         self._log = RateLimitedLogger(logger)
 
@@ -76,13 +76,28 @@ class WorkerSide:
 
     def begin_step(self, plans: Sequence[RequestPlan]) -> None:
         """The step's plans, as vLLM binds them before the forward. Everything of the last
-        step ends here (its loads finished, unstarted stores dropped): nothing may outlive it."""
+        step ends here (its loads finished, unstarted stores dropped): nothing may outlive it.
+
+        A request whose load came back short has a gap: its KV after the gap is computed over
+        missing tokens until vLLM has rolled it back and recomputes. Its stores that start
+        past the gap are dropped (with asynchronous scheduling a step planned before vLLM saw
+        the failure still runs); a plan whose store starts at or before the gap was made after
+        the rollback and ends it, as does a new load (a resumed request) or its end."""
         self._finish_loads()
         self._abort_stores()
         self._plans = list(plans)
         self._loads_started = False
         self._stores_started = False
-        self._short_loads = set()
+        for plan in self._plans:
+            gap = self._gaps.get(plan.req_id)
+            if gap is not None and (plan.load is not None
+                                    or (plan.save is not None and plan.save.start <= gap)):
+                del self._gaps[plan.req_id]
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Requests vLLM finished: nothing is kept for them."""
+        for req_id in req_ids:
+            self._gaps.pop(req_id, None)
 
     def start_load(self) -> None:
         """Start this step's loads (once; later calls do nothing). vLLM calls it before the
@@ -109,7 +124,7 @@ class WorkerSide:
             return
         self._start_stores()
         for pending in list(self._stores):
-            if pending.plan.req_id in self._short_loads:
+            if self._over_gap(pending.plan):
                 self._drop_store(pending)
             else:
                 self._step_store(pending, layer + 1)
@@ -122,14 +137,14 @@ class WorkerSide:
         if self.settings.layerwise:
             self._start_stores()
             for pending in list(self._stores):
-                if pending.plan.req_id in self._short_loads:
+                if self._over_gap(pending.plan):
                     self._drop_store(pending)
                 else:
                     self._step_store(pending, pending.total_steps)
             self._stores = []
             return
         for plan in self._plans:
-            if plan.save is not None and plan.req_id not in self._short_loads:
+            if plan.save is not None and not self._over_gap(plan):
                 self._guard(plan, "store", self._store_whole)
 
     def take_load_errors(self) -> set[int]:
@@ -200,7 +215,7 @@ class WorkerSide:
         span = _span(plan.load)
         first = max(hit_end, span.start)
         if first < span.end:
-            self._short_loads.add(plan.req_id)
+            self._gaps[plan.req_id] = min(first, self._gaps.get(plan.req_id, first))
             slots = plan.slot_mapping[first: span.end]
             self._errors.update(int(b) for b in torch.unique(slots // self._block_size))
             if self.engine is not None:
@@ -240,6 +255,11 @@ class WorkerSide:
         for pending in self._stores:
             pending.gen.close()
         self._stores = []
+
+    def _over_gap(self, plan: RequestPlan) -> bool:
+        """Whether the plan's store covers KV computed over a gap not yet recomputed."""
+        gap = self._gaps.get(plan.req_id)
+        return gap is not None and plan.save is not None and plan.save.start > gap
 
     def _drop_store(self, pending: _PendingStore) -> None:
         pending.gen.close()
