@@ -258,3 +258,31 @@ def test_stores_over_a_load_gap_wait_for_the_rollback(private_redis) -> None:
     assert stored() == 5  # after the rollback: chunks 1-4 stored, the lost one back
     first.close()
     second.close()
+
+
+def test_a_large_hit_is_an_async_load_planned_from_the_allocated_blocks() -> None:
+    s = side(1024, async_load_min_tokens=512)
+    prompt = list(range(1100))
+    n = s.num_new_matched_tokens("r", prompt, 0)
+    assert (n, s.loads_async(n), s.loads_async(256)) == (1024, True, False)
+    s.after_alloc("r", 1024, block_ids=blocks(1100))
+    (plan,) = s.build([], [], {})  # vLLM does not schedule it while it waits for its KV
+    assert plan.async_load and plan.load == Span(0, 0, 1024) and plan.save is None
+    assert plan.slot_mapping.tolist() == slot_mapping(blocks(1100), B, 1024).tolist()
+    assert s.build([], [], {}) == []  # planned once
+    # loaded: vLLM schedules it as a new request; the hit counts as stored
+    assert s.build([NewRequest("r", prompt, blocks(1100), 1024)], [], {"r": 76}) == []
+    # loaded short: vLLM truncated it at the gap; from there it is stored again
+    s.num_new_matched_tokens("q", prompt, 0)
+    s.after_alloc("q", 1024, block_ids=blocks(1100))
+    s.build([], [], {})
+    (plan,) = s.build([NewRequest("q", prompt, blocks(1100), 512)], [], {"q": 588})
+    assert plan.load is None and plan.save == Span(512, 512, 1024)
+
+
+def test_async_load_min_tokens_is_validated() -> None:
+    assert load_settings({}).async_load_min_tokens == 1024
+    assert load_settings({"async_load_min_tokens": None}).async_load_min_tokens is None
+    for bad in (0, -1, "1024", True, 1.5):
+        with pytest.raises(ConfigError, match="async_load_min_tokens"):
+            load_settings({"async_load_min_tokens": bad})

@@ -99,6 +99,7 @@ class LmcrConnector(KVConnectorBase_V1):
                 int(vllm_config.cache_config.block_size),
                 save_unfull_chunk=self._settings.config.save_unfull_chunk,
                 can_load=can_load, can_save=can_save,
+                async_load_min_tokens=self._settings.async_load_min_tokens,
             )
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
@@ -150,8 +151,9 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                    set[str] | None]:
-        self._worker_side().forget(finished_req_ids)
-        return None, None  # every transfer completes within its step
+        worker = self._worker_side()
+        worker.forget(finished_req_ids)
+        return None, worker.finished_loads() or None  # stores complete within their step
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
@@ -169,15 +171,17 @@ class LmcrConnector(KVConnectorBase_V1):
         if not _cacheable(request):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        n = self._scheduler_side().num_new_matched_tokens(
-            request.request_id, prompt, num_computed_tokens, getattr(request, "cache_salt", None)
-        )
-        return n, False
+        side = self._scheduler_side()
+        n = side.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens,
+                                        getattr(request, "cache_salt", None))
+        return n, side.loads_async(n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
+        get_ids = getattr(blocks, "get_block_ids", None)
         self._scheduler_side().after_alloc(request.request_id, num_external_tokens,
-                                           getattr(request, "cache_salt", None))
+                                           getattr(request, "cache_salt", None),
+                                           _group0(get_ids()) if get_ids else None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         new = [NewRequest(r.req_id, list(r.prompt_token_ids or []), _group0(r.block_ids) or [],

@@ -20,25 +20,32 @@
   kept here from the scheduler output (as `GPUModelRunner._update_states` does), and vLLM's
   process-global worker connector (`kv_transfer_state._KV_CONNECTOR_AGENT`, set by
   `ensure_kv_transfer_initialized` in a real worker) is pointed at each rank's connector for
-  that rank's part of the step, since several ranks and engines share this process.
+  that rank's part of the step, since several ranks and engines share this process; the
+  scheduler output each rank gets and each rank's result are pickled copies, as between
+  vLLM's processes.
 
 What this cannot show: CUDA copies, pinned memory, CUDA graphs, real attention kernels,
-separate worker processes (the connector's metadata is not pickled across processes here),
-a real model's outputs. `scripts/gpu_check_vllm.sh` is written to check those on a GPU machine
-(it has not run yet: no GPU was available).
+separate worker processes (what crosses between them is pickled here, but runs in one
+process), a real model's outputs, asynchronous scheduling (each step here is scheduled, run
+and fed back before the next). `scripts/gpu_check_vllm.sh` is written to check the first of
+those on a GPU machine (it has not run yet: no GPU was available).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
+import pickle
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -82,6 +89,7 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import (  # noqa: E402
 )
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+_T = TypeVar("_T")
 LAYERS, HEADS, HEAD, MLA_DIM, BLOCK, CHUNK, VOCAB = 2, 4, 16, 576, 16, 256, 1000
 LAYOUTS = [layout.name for layout in KVCacheLayout]
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -341,7 +349,12 @@ class Instance:
     def execute(self, out: SchedulerOutput) -> None:
         """The workers' half of a step (a test may act between `schedule()` and this)."""
         sampled = self._samples(out)
-        outputs = [rank.execute(out, sampled) for rank in self.ranks]
+        # What crosses the process boundary in vLLM is pickled here too: each rank gets its
+        # own copy of the scheduler output, and the scheduler its own copy of each result
+        # (the aggregator rewrites them; vLLM's no-forward output is a shared singleton).
+        sent = _through_ipc(dataclasses.replace(out, kv_connector_block_state=None))
+        outputs = [_through_ipc(rank.execute(_through_ipc(sent), sampled))
+                   for rank in self.ranks]
         merged = self.aggregator.aggregate(outputs) if self.tp > 1 else outputs[0]
         if merged.kv_connector_output is not None:
             self.invalid_blocks.append(set(merged.kv_connector_output.invalid_block_ids))
@@ -359,14 +372,26 @@ class Instance:
                 sampled[req_id] = [sampled_token(req_id, end)]
         return sampled
 
-    def run(self, req_ids: Iterable[str], max_steps: int = 200) -> list[SchedulerOutput]:
-        """Step until every one of `req_ids` finished; the scheduler outputs of the steps."""
+    def run(self, req_ids: Iterable[str], max_steps: int = 500,
+            timeout: float = 60.0) -> list[SchedulerOutput]:
+        """Step until every one of `req_ids` finished; the scheduler outputs of the steps. A
+        step that schedules nothing (requests waiting for background loads) waits until a
+        background load is over, as vLLM's busy loop would, only without spinning."""
         want, outs = set(req_ids), []
-        for _ in range(max_steps):
-            if want <= set(self.finished):
-                return outs
+        deadline = time.monotonic() + timeout
+        while not want <= set(self.finished):
+            if len(outs) >= max_steps or time.monotonic() > deadline:
+                raise AssertionError(f"requests {want - set(self.finished)} did not finish")
             outs.append(self.step())
-        raise AssertionError(f"requests {want - set(self.finished)} did not finish")
+            if not outs[-1].total_num_scheduled_tokens:
+                self.wait_for_background_loads(deadline)
+        return outs
+
+    def wait_for_background_loads(self, deadline: float) -> None:
+        pending = [f for rank in self.ranks for f in rank.connector._worker._recving.values()]
+        if pending:
+            wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                 return_when=FIRST_COMPLETED)
 
     # -- connectors -------------------------------------------------------------------------
 
@@ -381,6 +406,10 @@ class Instance:
         for rank in self.ranks:
             rank.connector.shutdown()
         self.scheduler.shutdown()
+
+
+def _through_ipc(obj: _T) -> _T:
+    return pickle.loads(pickle.dumps(obj))
 
 
 class _Layer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -139,10 +140,12 @@ def test_chunked_prefill_stores_each_chunk_in_the_step_that_completes_it(
     assert retrieved(b) == 2 * CHUNK
 
 
-def test_preempted_request_resumes_from_redis(engines: Engines) -> None:
+@pytest.mark.parametrize("async_min", [None, 256], ids=["sync_load", "async_load"])
+def test_preempted_request_resumes_from_redis(engines: Engines, async_min: int | None) -> None:
     first, second = prompt(600, seed=6), prompt(600, seed=7)
     # 80 usable blocks: both prompts fit (2 x 38), their decodes do not: one is preempted
-    engine = engines(num_blocks=81, store_async=False, local_cpu=False)
+    engine = engines(num_blocks=81, store_async=False, local_cpu=False,
+                     async_load_min_tokens=async_min)
     engine.add("a", first, max_tokens=90)
     engine.add("b", second, max_tokens=90)
     engine.run(["a", "b"])
@@ -366,7 +369,8 @@ def test_one_round_trip_per_scheduler_lookup_whatever_the_tp_size(
     engines: Engines, private_redis: Any, tp: int
 ) -> None:
     tokens = prompt(1100, seed=17)
-    quiet = {"stats_publish_interval": None}  # only the scheduler's lookups talk to Redis
+    # only the scheduler's lookups talk to Redis; loads within the step, to see them scheduled
+    quiet = {"stats_publish_interval": None, "async_load_min_tokens": None}
     a = engines(url=private_redis.url, tp=tp, store_async=False, **quiet)
     prefill(a, "r1", tokens)
     b = engines(url=private_redis.url, tp=tp, local_cpu=False, **quiet)
@@ -466,3 +470,78 @@ def test_requests_not_named_by_their_tokens_pass_through(engines: Engines) -> No
     assert sched.get_num_new_matched_tokens(plain, 0) == (2 * CHUNK, False)
     assert sched.get_num_new_matched_tokens(lora, 0) == (0, False)  # other weights, other KV
     assert sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
+
+
+# -- asynchronous loads ------------------------------------------------------------------------
+
+def _pool_used(engine: Instance) -> list[int]:
+    return [rank.connector._worker.engine.storage.pool.used_bytes for rank in engine.ranks]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_large_hit_loads_in_the_background_while_others_run(engines: Engines, tp: int) -> None:
+    tokens, other = prompt(1400, seed=21), prompt(300, seed=22)
+    prefill(engines(tp=tp, store_async=False), "r1", tokens)
+    b = engines(tp=tp, local_cpu=False, async_load_min_tokens=1024)
+    request = b.add("r2", tokens, max_tokens=2)
+    assert b.scheduler_connector.get_num_new_matched_tokens(request, 0) == (1280, True)
+    b.add("r3", other, max_tokens=2)
+    out = b.scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["r3"]  # r2 waits for its KV, r3 runs
+    (plan,) = [p for p in out.kv_connector_metadata.requests if p.req_id == "r2"]
+    assert plan.async_load and plan.load.end == 1280
+    assert out.has_sync_kv_loads is False  # so vLLM starts loads after the forward
+    b.execute(out)
+    b.run(["r2", "r3"])
+    assert b.bad_reads == []  # r2's attention saw the loaded 1280 tokens, bit for bit
+    assert all(retrieved(b, r) == 1280 for r in range(tp))
+    assert _pool_used(b) == [0] * tp
+
+
+def test_abort_while_a_background_load_is_pending_keeps_the_blocks_until_it_is_over(
+    engines: Engines, private_redis: Any
+) -> None:
+    tokens = prompt(1400, seed=23)
+    prefill(engines(url=private_redis.url, store_async=False), "r1", tokens)
+    b = engines(url=private_redis.url, local_cpu=False, async_load_min_tokens=1024,
+                remote_timeout=30.0, stats_publish_interval=None)
+    pool = b.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    b.add("r2", tokens, max_tokens=2)
+    out = b.scheduler.schedule()
+    private_redis.pause()  # the load cannot finish while Redis is stopped
+    try:
+        b.execute(out)
+        b.abort("r2")
+        b.step()  # no forward; the load is still running
+        assert "r2" in b.scheduler.requests  # vLLM holds its blocks ...
+        assert pool.get_num_free_blocks() < free_before
+    finally:
+        private_redis.resume()
+    b.wait_for_background_loads(time.monotonic() + 30)
+    b.step()  # ... until the worker reports the load over
+    assert "r2" not in b.scheduler.requests
+    assert pool.get_num_free_blocks() == free_before
+    assert _pool_used(b) == [0]
+
+
+def test_background_load_that_comes_back_short_is_recomputed_and_stored_again(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    tokens = prompt(1400, seed=24)
+    prefill(engines(store_async=False), "r1", tokens)
+    assert len(chunk_keys(redis_client, key_prefix)) == 5
+    b = engines(local_cpu=False, store_async=False, async_load_min_tokens=1024)
+    b.add("r2", tokens, max_tokens=2)
+    out = b.scheduler.schedule()
+    (plan,) = out.kv_connector_metadata.requests
+    assert plan.async_load
+    _delete_chunk(redis_client, key_prefix, b, tokens, 2)
+    b.execute(out)
+    b.run(["r2"])
+    lost = set((plan.slot_mapping[512:1280] // rig.BLOCK).tolist())
+    assert lost in b.invalid_blocks  # reported with the finished load, in one step
+    assert b.bad_reads == []  # vLLM recomputed [512, 1280) before any attention read it
+    assert b.finished["r2"] == FinishReason.LENGTH
+    assert len(chunk_keys(redis_client, key_prefix)) == 5  # the lost chunk is back
+    assert _pool_used(b) == [0]

@@ -14,6 +14,8 @@ from lmcache_remote.engine import EngineMetadata
 from lmcache_remote.errors import ConfigError
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+#: 1024 tokens of an 8B model's KV are 128 MiB: a transfer of several steps' time.
+DEFAULT_ASYNC_LOAD_MIN_TOKENS = 1024
 #: `--kv-cache-dtype` values whose cache holds plain per-token K/V (or latent) values, and the
 #: torch dtype that names them in the keys. vLLM keeps fp8 caches as uint8 tensors; the bytes
 #: are e4m3 ("fp8" is e4m3 in vLLM) or e5m2, and the two must never read each other's chunks.
@@ -28,14 +30,19 @@ CACHE_DTYPES: dict[str, torch.dtype] = {
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
     """What `kv_connector_extra_config` configures. `config_file` names a YAML file of
-    `CacheConfig` fields (as `load_config`), every other key except `layerwise` and
-    `model_name` overrides one field; an unknown key is a `ConfigError` naming it."""
+    `CacheConfig` fields (as `load_config`), every other key except `layerwise`,
+    `model_name` and `async_load_min_tokens` overrides one field; an unknown key is a
+    `ConfigError` naming it."""
 
     config: CacheConfig
     layerwise: bool = True
     """Load in `wait_for_layer_load` and store in `save_kv_layer`, one layer at a time."""
     model_name: str | None = None
     """The model name in the keys; default: vLLM's `model_config.model`."""
+    async_load_min_tokens: int | None = DEFAULT_ASYNC_LOAD_MIN_TOKENS
+    """Hits of at least this many tokens load in the background (the request waits in
+    `WAITING_FOR_REMOTE_KVS` while the others run); smaller ones within the step, where the
+    transfer costs less than a step. None: every load within the step."""
 
 
 def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -43,11 +50,16 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     path = values.pop("config_file", None)
     layerwise = values.pop("layerwise", True)
     model_name = values.pop("model_name", None)
+    async_min = values.pop("async_load_min_tokens", DEFAULT_ASYNC_LOAD_MIN_TOKENS)
+    if async_min is not None and (isinstance(async_min, bool) or not isinstance(async_min, int)
+                                  or async_min < 1):
+        raise ConfigError("async_load_min_tokens",
+                          f"must be a positive integer or null, got {async_min!r}")
     if not isinstance(layerwise, bool):
         raise ConfigError("layerwise", f"must be true or false, got {layerwise!r}")
     if model_name is not None and (not isinstance(model_name, str) or not model_name):
         raise ConfigError("model_name", f"must be a non-empty string, got {model_name!r}")
-    return ConnectorSettings(load_config(path, **values), layerwise, model_name)
+    return ConnectorSettings(load_config(path, **values), layerwise, model_name, async_min)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -43,6 +45,10 @@ class WorkerSide:
         self._loads_started = False
         self._stores_started = False
         self._gaps: dict[str, int] = {}  # request -> first planned token that did not load
+        self._async_plans: list[RequestPlan] = []
+        self._recving: dict[str, Future[set[int]]] = {}  # background loads, not yet reported
+        self._loader: ThreadPoolExecutor | None = None
+        self._stream: object | None = None  # the loader's CUDA stream, when caches are on CUDA
         self._errors: set[int] = set()
         self._log = RateLimitedLogger(logger)
 
@@ -85,7 +91,8 @@ class WorkerSide:
         the rollback and ends it, as does a new load (a resumed request) or its end."""
         self._finish_loads()
         self._abort_stores()
-        self._plans = list(plans)
+        self._plans = [p for p in plans if not p.async_load]
+        self._async_plans = [p for p in plans if p.async_load]
         self._loads_started = False
         self._stores_started = False
         for plan in self._plans:
@@ -106,9 +113,20 @@ class WorkerSide:
         if self._loads_started or not self.registered:
             return
         self._loads_started = True
+        for plan in self._async_plans:
+            self._submit(plan)
+        self._async_plans = []
         for plan in self._plans:
             if plan.load is not None and plan.load.end > plan.load.start:
                 self._guard(plan, "load", self._start_one_load)
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose background load is over (loaded, short or failed: vLLM must learn
+        of each once); their missing blocks join `take_load_errors` in the same step."""
+        done = {req_id for req_id, fut in self._recving.items() if fut.done()}
+        for req_id in done:
+            self._errors |= self._recving.pop(req_id).result()
+        return done
 
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
@@ -155,8 +173,44 @@ class WorkerSide:
     def close(self) -> None:
         self._finish_loads()
         self._abort_stores()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)  # no write into the cache after this returns
+            self._loader = None
         if self.engine is not None:
             self.engine.close()
+
+    # -- background loads -----------------------------------------------------------------------
+
+    def _submit(self, plan: RequestPlan) -> None:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-load")
+        self._recving[plan.req_id] = self._loader.submit(self._load_in_background, plan)
+
+    def _load_in_background(self, plan: RequestPlan) -> set[int]:
+        """A whole load on the loader thread; its missing blocks (touches no shared state but
+        the engine, which is thread-safe, and blocks vLLM holds until the load is reported)."""
+        span = _span(plan.load)
+        hit_end = 0
+        try:
+            with self._loader_stream():
+                hit = self._engine().retrieve(plan.token_ids[: span.end], self._kv(plan, span.end),
+                                              self._mask(span.skip, span.end),
+                                              cache_salt=plan.cache_salt)
+            hit_end = _hit_end(hit, span.skip)
+        except Exception as exc:
+            self._log.warning("load", "load of request %s failed: %s", plan.req_id, exc)
+        return self._missed_blocks(plan, hit_end)
+
+    @contextlib.contextmanager
+    def _loader_stream(self) -> Iterator[None]:
+        """On CUDA, the loader's copies run on a stream of their own (untested: no GPU here)."""
+        if not self._layers or not self._layers[0].is_cuda:
+            yield
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._layers[0].device)
+        with torch.cuda.stream(self._stream):  # type: ignore[arg-type]
+            yield
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -211,15 +265,22 @@ class WorkerSide:
 
     def _report_misses(self, plan: RequestPlan, hit_end: int) -> None:
         """Blocks of the planned tokens that were not loaded: vLLM recomputes from there. The
-        request's store of this step is dropped: its new KV was computed over the gap."""
+        request's stores past the gap wait for the rollback (`begin_step`)."""
+        missed = self._missed_blocks(plan, hit_end)
+        if missed:
+            first = max(hit_end, _span(plan.load).start)
+            self._gaps[plan.req_id] = min(first, self._gaps.get(plan.req_id, first))
+            self._errors |= missed
+
+    def _missed_blocks(self, plan: RequestPlan, hit_end: int) -> set[int]:
         span = _span(plan.load)
         first = max(hit_end, span.start)
-        if first < span.end:
-            self._gaps[plan.req_id] = min(first, self._gaps.get(plan.req_id, first))
-            slots = plan.slot_mapping[first: span.end]
-            self._errors.update(int(b) for b in torch.unique(slots // self._block_size))
-            if self.engine is not None:
-                self.engine.metrics.inc("vllm.load_error_tokens", span.end - first)
+        if first >= span.end:
+            return set()
+        if self.engine is not None:
+            self.engine.metrics.inc("vllm.load_error_tokens", span.end - first)
+        slots = plan.slot_mapping[first: span.end]
+        return {int(b) for b in torch.unique(slots // self._block_size)}
 
     # -- stores -------------------------------------------------------------------------------
 
