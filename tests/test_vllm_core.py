@@ -286,3 +286,20 @@ def test_async_load_min_tokens_is_validated() -> None:
     for bad in (0, -1, "1024", True, 1.5):
         with pytest.raises(ConfigError, match="async_load_min_tokens"):
             load_settings({"async_load_min_tokens": bad})
+
+
+def test_with_async_save_a_request_that_stored_holds_its_blocks_at_finish() -> None:
+    s = side(0, async_save=True)
+    prompt = list(range(600))
+    for req_id in ("stores", "short"):
+        s.num_new_matched_tokens(req_id, prompt if req_id == "stores" else prompt[:100], 0)
+        s.after_alloc(req_id, 0)
+    plans = s.build([NewRequest("stores", prompt, blocks(600), 0),
+                     NewRequest("short", prompt[:100], blocks(100, 300), 0)], [],
+                    {"stores": 600, "short": 100})
+    assert [p.req_id for p in plans] == ["stores"]
+    assert s.finish("stores") is True  # vLLM waits for the workers' finished_sending
+    assert s.finish("short") is False  # nothing stored: freed at once
+    assert load_settings({"async_save": True}).async_save is True
+    with pytest.raises(ConfigError, match="async_save"):
+        load_settings({"async_save": "yes"})

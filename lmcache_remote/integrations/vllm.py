@@ -65,10 +65,12 @@ __all__ = ["LmcrConnector", "LmcrConnectorMetadata"]
 
 
 class LmcrConnectorMetadata(KVConnectorMetadata):
-    """One step's plans, sent by the scheduler to every worker."""
+    """One step's plans, sent by the scheduler to every worker, and the requests vLLM
+    preempted in this step (their blocks are about to be reused)."""
 
-    def __init__(self, requests: list[RequestPlan]) -> None:
+    def __init__(self, requests: list[RequestPlan], preempted: set[str] | None = None) -> None:
         self.requests = requests
+        self.preempted = preempted or set()
 
 
 class LmcrConnector(KVConnectorBase_V1):
@@ -100,6 +102,7 @@ class LmcrConnector(KVConnectorBase_V1):
                 save_unfull_chunk=self._settings.config.save_unfull_chunk,
                 can_load=can_load, can_save=can_save,
                 async_load_min_tokens=self._settings.async_load_min_tokens,
+                async_save=self._settings.async_save,
             )
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
@@ -153,7 +156,12 @@ class LmcrConnector(KVConnectorBase_V1):
                                                                    set[str] | None]:
         worker = self._worker_side()
         worker.forget(finished_req_ids)
-        return None, worker.finished_loads() or None  # stores complete within their step
+        return worker.finished_stores() or None, worker.finished_loads() or None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        preempted = getattr(kv_connector_metadata, "preempted", None)
+        if preempted:
+            self._worker_side().wait_for_stores(preempted)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
@@ -198,12 +206,12 @@ class LmcrConnector(KVConnectorBase_V1):
             new, again, scheduler_output.num_scheduled_tokens,
             getattr(scheduler_output, "finished_req_ids", ()) or (),
         )
-        return LmcrConnectorMetadata(plans)
+        return LmcrConnectorMetadata(
+            plans, set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool,
                                                                            dict[str, Any] | None]:
-        self._scheduler_side().finish(request.request_id)
-        return False, None
+        return self._scheduler_side().finish(request.request_id), None
 
     # -- helpers ------------------------------------------------------------------------------
 

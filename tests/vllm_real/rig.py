@@ -41,7 +41,7 @@ import pickle
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,14 +384,26 @@ class Instance:
                 raise AssertionError(f"requests {want - set(self.finished)} did not finish")
             outs.append(self.step())
             if not outs[-1].total_num_scheduled_tokens:
-                self.wait_for_background_loads(deadline)
+                self.wait_for_background(deadline)
         return outs
 
-    def wait_for_background_loads(self, deadline: float) -> None:
+    def wait_for_background(self, deadline: float, *, every: bool = False) -> None:
+        """Wait until one (or `every`) background load or store of the workers is over."""
         pending = [f for rank in self.ranks for f in rank.connector._worker._recving.values()]
+        pending += [f for rank in self.ranks for fs in rank.connector._worker._saving.values()
+                    for f in fs if not f.done()]
         if pending:
             wait(pending, timeout=max(0.0, deadline - time.monotonic()),
-                 return_when=FIRST_COMPLETED)
+                 return_when=ALL_COMPLETED if every else FIRST_COMPLETED)
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Step (without new work) until every finished request's blocks are freed."""
+        deadline = time.monotonic() + timeout
+        while any(r.is_finished() for r in self.scheduler.requests.values()):
+            if time.monotonic() > deadline:
+                raise AssertionError("finished requests still hold their blocks")
+            self.wait_for_background(deadline, every=True)
+            self.step()
 
     # -- connectors -------------------------------------------------------------------------
 

@@ -140,12 +140,14 @@ def test_chunked_prefill_stores_each_chunk_in_the_step_that_completes_it(
     assert retrieved(b) == 2 * CHUNK
 
 
-@pytest.mark.parametrize("async_min", [None, 256], ids=["sync_load", "async_load"])
-def test_preempted_request_resumes_from_redis(engines: Engines, async_min: int | None) -> None:
+@pytest.mark.parametrize(("async_min", "async_save"), [(None, False), (256, False), (256, True)],
+                         ids=["sync", "async_load", "async_load_and_save"])
+def test_preempted_request_resumes_from_redis(engines: Engines, async_min: int | None,
+                                              async_save: bool) -> None:
     first, second = prompt(600, seed=6), prompt(600, seed=7)
     # 80 usable blocks: both prompts fit (2 x 38), their decodes do not: one is preempted
     engine = engines(num_blocks=81, store_async=False, local_cpu=False,
-                     async_load_min_tokens=async_min)
+                     async_load_min_tokens=async_min, async_save=async_save)
     engine.add("a", first, max_tokens=90)
     engine.add("b", second, max_tokens=90)
     engine.run(["a", "b"])
@@ -518,7 +520,7 @@ def test_abort_while_a_background_load_is_pending_keeps_the_blocks_until_it_is_o
         assert pool.get_num_free_blocks() < free_before
     finally:
         private_redis.resume()
-    b.wait_for_background_loads(time.monotonic() + 30)
+    b.wait_for_background(time.monotonic() + 30)
     b.step()  # ... until the worker reports the load over
     assert "r2" not in b.scheduler.requests
     assert pool.get_num_free_blocks() == free_before
@@ -545,3 +547,68 @@ def test_background_load_that_comes_back_short_is_recomputed_and_stored_again(
     assert b.finished["r2"] == FinishReason.LENGTH
     assert len(chunk_keys(redis_client, key_prefix)) == 5  # the lost chunk is back
     assert _pool_used(b) == [0]
+
+
+# -- asynchronous saves ------------------------------------------------------------------------
+
+def test_async_saves_run_past_a_stopped_redis_and_hold_blocks_until_done(
+    engines: Engines, private_redis: Any
+) -> None:
+    tokens = prompt(700, seed=25)
+    a = engines(url=private_redis.url, async_save=True, store_async=False, local_cpu=False,
+                remote_timeout=30.0, stats_publish_interval=None)
+    pool = a.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    a.add("r1", tokens, max_tokens=4)
+    out = a.scheduler.schedule()  # its lookup is done; Redis stops now
+    private_redis.pause()
+    try:
+        a.execute(out)
+        a.run(["r1"])  # prefill and decode go on: the store waits in the background
+        assert a.finished["r1"] == FinishReason.LENGTH and a.bad_reads == []
+        a.step()
+        assert "r1" in a.scheduler.requests  # finished, its blocks kept for the store
+        assert pool.get_num_free_blocks() < free_before
+    finally:
+        private_redis.resume()
+    a.drain()
+    assert pool.get_num_free_blocks() == free_before and _pool_used(a) == [0]
+    b = engines(url=private_redis.url, local_cpu=False)
+    prefill(b, "r2", tokens)
+    assert retrieved(b) == 2 * CHUNK  # the bytes were copied after the forward, intact
+
+
+def test_async_save_that_fails_still_frees_the_blocks(engines: Engines,
+                                                      private_redis: Any) -> None:
+    a = engines(url=private_redis.url, async_save=True, store_async=False, local_cpu=False,
+                stats_publish_interval=None)
+    pool = a.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    a.add("r1", prompt(700, seed=26), max_tokens=2)
+    out = a.scheduler.schedule()
+    private_redis.kill()
+    a.execute(out)
+    a.run(["r1"])
+    a.drain()
+    assert pool.get_num_free_blocks() == free_before and _pool_used(a) == [0]
+    assert a.worker_engine().stats()["engine"].get("stored_tokens", 0) == 0
+
+
+def test_abort_while_an_async_save_is_pending(engines: Engines, private_redis: Any) -> None:
+    tokens = prompt(900, seed=27)
+    a = engines(url=private_redis.url, async_save=True, store_async=False, local_cpu=False,
+                max_batched_tokens=300, remote_timeout=30.0, stats_publish_interval=None)
+    pool = a.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    a.add("gone", tokens, max_tokens=4)
+    out = a.scheduler.schedule()
+    private_redis.pause()
+    try:
+        a.execute(out)  # 300 tokens: chunk 0's store waits for Redis
+        a.abort("gone")
+        a.step()
+        assert "gone" in a.scheduler.requests
+    finally:
+        private_redis.resume()
+    a.drain()
+    assert pool.get_num_free_blocks() == free_before and _pool_used(a) == [0]

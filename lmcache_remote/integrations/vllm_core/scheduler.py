@@ -46,8 +46,11 @@ class SchedulerSide:
 
     def __init__(self, lookup: Callable[[Sequence[int], str | None], int], chunk_size: int,
                  block_size: int, *, save_unfull_chunk: bool = False, can_load: bool = True,
-                 can_save: bool = True, async_load_min_tokens: int | None = None) -> None:
+                 can_save: bool = True, async_load_min_tokens: int | None = None,
+                 async_save: bool = False) -> None:
         self._lookup = lookup
+        self.async_save = async_save
+        self._saved: set[str] = set()  # requests with a store planned (async_save)
         self.async_load_min_tokens = async_load_min_tokens
         self.chunk_size = chunk_size
         self.block_size = block_size
@@ -164,13 +167,19 @@ class SchedulerSide:
                                      load, None, async_load=True))
         return plans
 
-    def finish(self, req_id: str) -> None:
+    def finish(self, req_id: str) -> bool:
+        """Forget the request; True when vLLM must keep its blocks until the workers report
+        its stores done (`async_save` and a store was planned: every worker applies the same
+        rule to the same plans, so each reports it)."""
+        delay = req_id in self._saved
+        self._saved.discard(req_id)
         self._hits.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
         self._prompts.pop(req_id, None)
         self._salts.pop(req_id, None)
         self._trackers.pop(req_id, None)
+        return delay
 
     def _plan(self, req_id: str, tracker: _Tracker, computed_end: int) -> RequestPlan | None:
         load = self._loads.pop(req_id, None)
@@ -187,6 +196,8 @@ class SchedulerSide:
             return None
         if save is not None:
             tracker.stored_end = save.end
+            if self.async_save:
+                self._saved.add(req_id)
         return RequestPlan(req_id, tracker.prompt[:n], slots, tracker.salt, load, save)
 
     def _save_span(self, tracker: _Tracker, computed_end: int) -> Span | None:

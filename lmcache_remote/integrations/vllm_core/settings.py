@@ -31,7 +31,7 @@ CACHE_DTYPES: dict[str, torch.dtype] = {
 class ConnectorSettings:
     """What `kv_connector_extra_config` configures. `config_file` names a YAML file of
     `CacheConfig` fields (as `load_config`), every other key except `layerwise`,
-    `model_name` and `async_load_min_tokens` overrides one field; an unknown key is a
+    `model_name`, `async_load_min_tokens` and `async_save` overrides one field; an unknown key is a
     `ConfigError` naming it."""
 
     config: CacheConfig
@@ -43,6 +43,12 @@ class ConnectorSettings:
     """Hits of at least this many tokens load in the background (the request waits in
     `WAITING_FOR_REMOTE_KVS` while the others run); smaller ones within the step, where the
     transfer costs less than a step. None: every load within the step."""
+    async_save: bool = False
+    """Stores run on a background thread after the step (copy out of the cache included);
+    vLLM keeps a finished request's blocks until every worker reports its stores done, and a
+    preempted request's stores finish before its blocks are reused. Off: stores copy within
+    the step (layer by layer with `layerwise`) and only the Redis write is in the
+    background."""
 
 
 def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -59,7 +65,11 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         raise ConfigError("layerwise", f"must be true or false, got {layerwise!r}")
     if model_name is not None and (not isinstance(model_name, str) or not model_name):
         raise ConfigError("model_name", f"must be a non-empty string, got {model_name!r}")
-    return ConnectorSettings(load_config(path, **values), layerwise, model_name, async_min)
+    async_save = values.pop("async_save", False)
+    if not isinstance(async_save, bool):
+        raise ConfigError("async_save", f"must be true or false, got {async_save!r}")
+    return ConnectorSettings(load_config(path, **values), layerwise, model_name, async_min,
+                             async_save)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,10 @@ class WorkerSide:
         self._async_plans: list[RequestPlan] = []
         self._recving: dict[str, Future[set[int]]] = {}  # background loads, not yet reported
         self._loader: ThreadPoolExecutor | None = None
-        self._stream: object | None = None  # the loader's CUDA stream, when caches are on CUDA
+        self._saver: ThreadPoolExecutor | None = None
+        self._saving: dict[str, list[Future[None]]] = {}  # background stores per request
+        self._save_reqs: set[str] = set()  # requests with a store planned (async_save)
+        self._finishing: set[str] = set()  # finished by vLLM, stores maybe still running
         self._errors: set[int] = set()
         self._log = RateLimitedLogger(logger)
 
@@ -96,15 +99,41 @@ class WorkerSide:
         self._loads_started = False
         self._stores_started = False
         for plan in self._plans:
+            if plan.save is not None and self.settings.async_save:
+                self._save_reqs.add(plan.req_id)
             gap = self._gaps.get(plan.req_id)
             if gap is not None and (plan.load is not None
                                     or (plan.save is not None and plan.save.start <= gap)):
                 del self._gaps[plan.req_id]
 
     def forget(self, req_ids: Iterable[str]) -> None:
-        """Requests vLLM finished: nothing is kept for them."""
+        """Requests vLLM finished: nothing is kept for them (their background stores are
+        reported by `finished_stores` once done)."""
         for req_id in req_ids:
             self._gaps.pop(req_id, None)
+            if req_id in self._save_reqs:
+                self._save_reqs.discard(req_id)
+                self._finishing.add(req_id)
+
+    def finished_stores(self) -> set[str]:
+        """Finished requests whose background stores are all done: vLLM may free their
+        blocks now (a failed store counts as done: it is dropped, the blocks are freed)."""
+        done = {r for r in self._finishing
+                if all(f.done() for f in self._saving.get(r, ()))}
+        for req_id in done:
+            self._finishing.discard(req_id)
+            self._saving.pop(req_id, None)
+        return done
+
+    def wait_for_stores(self, req_ids: Iterable[str]) -> None:
+        """Block until these requests' background stores are done (vLLM preempted them: their
+        blocks are about to be reused)."""
+        for req_id in req_ids:
+            futures = self._saving.pop(req_id, [])
+            for future in futures:
+                future.exception()  # waits; the store logs its own failure
+            if req_id in self._finishing:
+                self._saving[req_id] = futures  # still to be reported as finished
 
     def start_load(self) -> None:
         """Start this step's loads (once; later calls do nothing). vLLM calls it before the
@@ -138,7 +167,8 @@ class WorkerSide:
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
-        if layer is None or not self.settings.layerwise or not self.can_save:
+        if (layer is None or not self.settings.layerwise or not self.can_save
+                or self.settings.async_save):
             return
         self._start_stores()
         for pending in list(self._stores):
@@ -151,6 +181,12 @@ class WorkerSide:
         self.start_load()
         self._finish_loads()
         if not self.can_save:
+            return
+        if self.settings.async_save:
+            event = _step_event(self._layers)
+            for plan in self._plans:
+                if plan.save is not None and not self._over_gap(plan):
+                    self._submit_store(plan, event)
             return
         if self.settings.layerwise:
             self._start_stores()
@@ -173,9 +209,10 @@ class WorkerSide:
     def close(self) -> None:
         self._finish_loads()
         self._abort_stores()
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)  # no write into the cache after this returns
-            self._loader = None
+        for executor in (self._loader, self._saver):
+            if executor is not None:  # no access to the cache after this returns
+                executor.shutdown(wait=True)
+        self._loader = self._saver = None
         if self.engine is not None:
             self.engine.close()
 
@@ -201,15 +238,38 @@ class WorkerSide:
             self._log.warning("load", "load of request %s failed: %s", plan.req_id, exc)
         return self._missed_blocks(plan, hit_end)
 
+    def _submit_store(self, plan: RequestPlan, event: object | None) -> None:
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-save")
+        future = self._saver.submit(self._store_in_background, plan, event)
+        self._saving.setdefault(plan.req_id, []).append(future)
+        self._prune_done(plan.req_id)
+
+    def _prune_done(self, req_id: str) -> None:
+        """Keep a running request's list of background stores short."""
+        futures = self._saving.get(req_id, [])
+        if len(futures) > 1:
+            self._saving[req_id] = [f for f in futures[:-1] if not f.done()] + futures[-1:]
+
+    def _store_in_background(self, plan: RequestPlan, event: object | None) -> None:
+        """A whole store on the saver thread, after the step's forward (on CUDA its stream
+        first waits for `event`, recorded when the step's KV was written; untested)."""
+        try:
+            with self._loader_stream(event):
+                self._store_whole(plan)
+        except Exception as exc:
+            self._log.warning("store", "store of request %s failed: %s", plan.req_id, exc)
+
     @contextlib.contextmanager
-    def _loader_stream(self) -> Iterator[None]:
+    def _loader_stream(self, event: object | None = None) -> Iterator[None]:
         """On CUDA, the loader's copies run on a stream of their own (untested: no GPU here)."""
         if not self._layers or not self._layers[0].is_cuda:
             yield
             return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self._layers[0].device)
-        with torch.cuda.stream(self._stream):  # type: ignore[arg-type]
+        stream = torch.cuda.Stream(self._layers[0].device)  # one per transfer: threads differ
+        if event is not None:
+            stream.wait_event(event)  # type: ignore[arg-type]
+        with torch.cuda.stream(stream):
             yield
 
     # -- loads --------------------------------------------------------------------------------
@@ -358,6 +418,16 @@ class _PendingStore:
     gen: Generator[int | None, None, None]
     total_steps: int
     steps_done: int = 0
+
+
+def _step_event(layers: Sequence[torch.Tensor]) -> object | None:
+    """On CUDA, an event recorded now on the current stream: the point the step's KV is
+    written at, which background copies must wait for."""
+    if not layers or not layers[0].is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _span(span: Span | None) -> Span:
