@@ -303,3 +303,29 @@ def test_with_async_save_a_request_that_stored_holds_its_blocks_at_finish() -> N
     assert load_settings({"async_save": True}).async_save is True
     with pytest.raises(ConfigError, match="async_save"):
         load_settings({"async_save": "yes"})
+
+
+def test_background_lookup_answers_none_until_its_lookup_is_done() -> None:
+    import threading
+
+    from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
+
+    release, calls = threading.Event(), []
+
+    def slow(tokens, salt):
+        calls.append(len(tokens))
+        assert release.wait(30)
+        return 512
+
+    lookup = BackgroundLookup(slow, wait_s=0.01)
+    s = SchedulerSide(slow, C, B, lookup_wait_s=5.0)
+    assert lookup("r", list(range(600)), None) is None
+    assert lookup("r", list(range(600)), None) is None  # the same lookup, not a second one
+    release.set()
+    assert lookup("r", list(range(600)), None) == 512
+    assert calls == [600]
+    assert s.num_new_matched_tokens("q", list(range(600)), 0) == 512  # answers within wait
+    lookup.close()
+    s.close()
+    with pytest.raises(ConfigError, match="lookup_wait_ms"):
+        load_settings({"lookup_wait_ms": -1})

@@ -103,6 +103,8 @@ class LmcrConnector(KVConnectorBase_V1):
                 can_load=can_load, can_save=can_save,
                 async_load_min_tokens=self._settings.async_load_min_tokens,
                 async_save=self._settings.async_save,
+                lookup_wait_s=(None if self._settings.lookup_wait_ms is None
+                               else self._settings.lookup_wait_ms / 1000),
             )
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
@@ -169,6 +171,8 @@ class LmcrConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._lookup is not None:
             self._lookup.close()
 
@@ -182,6 +186,8 @@ class LmcrConnector(KVConnectorBase_V1):
         side = self._scheduler_side()
         n = side.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens,
                                         getattr(request, "cache_salt", None))
+        if n is None:
+            return None, False  # the lookup is still running: vLLM asks again later
         return n, side.loads_async(n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,

@@ -92,7 +92,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 _T = TypeVar("_T")
 LAYERS, HEADS, HEAD, MLA_DIM, BLOCK, CHUNK, VOCAB = 2, 4, 16, 576, 16, 256, 1000
 LAYOUTS = [layout.name for layout in KVCacheLayout]
-NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]  # of the default geometry
 MODEL_NAME = "tiny-llama"
 
 
@@ -194,7 +194,7 @@ class Rank:
 
     def write(self, layer_name: str, req_id: str, start: int, end: int) -> None:
         s = self.slots(req_id, start, end)
-        layer = NAMES.index(layer_name)
+        layer = self.instance.names.index(layer_name)
         self.caches[layer_name][s // BLOCK, :, s % BLOCK, :] = self.kv(layer, req_id, start, end)
 
     def read(self, layer_name: str, req_id: str, start: int, end: int) -> torch.Tensor:
@@ -204,39 +204,54 @@ class Rank:
     def first_bad(self, layer_name: str, req_id: str, end: int) -> int | None:
         """The first position in [0, end) whose KV is not the fake model's, or None."""
         got = self.read(layer_name, req_id, 0, end)
-        want = self.kv(NAMES.index(layer_name), req_id, 0, end)
+        want = self.kv(self.instance.names.index(layer_name), req_id, 0, end)
         bad = (got != want).flatten(1).any(dim=1).nonzero()
         return int(bad[0]) if len(bad) else None
 
     def check_context(self, layer_name: str) -> None:
+        if not self.instance.fake_compute:
+            return
         for req_id, (_, end) in self.work.items():
             bad = self.first_bad(layer_name, req_id, end)
             if bad is not None:
                 self.instance.bad_reads.append((req_id, self.index, layer_name, bad))
 
     def forward(self, out: SchedulerOutput) -> None:
-        """The fake model: per layer, write the step's KV, then attention (decorated)."""
-        for layer_name in NAMES:
-            for req_id, (start, end) in self.work.items():
-                self.write(layer_name, req_id, start, end)
+        """The fake model: per layer, write the step's KV, then attention (decorated). With
+        `fake_compute` off, no KV is written or checked: the step's GPU time is the
+        instance's `step_time(out)`, slept by rank 0 (the ranks of a step run in parallel)."""
+        inst = self.instance
+        for layer_name in inst.names:
+            if inst.fake_compute:
+                for req_id, (start, end) in self.work.items():
+                    self.write(layer_name, req_id, start, end)
             _attention(layer_name, self)
+        if inst.step_time is not None and self.index == 0:
+            time.sleep(inst.step_time(out))
 
     def execute(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
         """One step of this rank, the way vLLM's GPU model runner drives the connector."""
         self.update_states(out)
         starts = scheduled_starts(out)
         self.work = {r: (starts[r], starts[r] + n) for r, n in out.num_scheduled_tokens.items()}
-        with self.agent():
-            self.connector.handle_preemptions(out.kv_connector_metadata)
-            if not out.total_num_scheduled_tokens:
-                return KVConnectorModelRunnerMixin.kv_connector_no_forward(out, self.config)
-            attn = {name: object() for name in NAMES}
-            slot_maps = {name: torch.zeros(0, dtype=torch.int64) for name in NAMES}
-            with (set_forward_context(attn, self.config, slot_mapping=slot_maps),
-                  KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out):
-                self.forward(out)
-                if self.instance.after_forward is not None:  # before wait_for_save
-                    self.instance.after_forward(self, out)
+        names = self.instance.names
+        attn = {name: object() for name in names}
+        slot_maps = {name: torch.zeros(0, dtype=torch.int64) for name in names}
+        kv_out = None
+        if self.connector is None:  # vLLM without a connector
+            if out.total_num_scheduled_tokens:
+                with set_forward_context(attn, self.config, slot_mapping=slot_maps):
+                    self.forward(out)
+        else:
+            with self.agent():
+                self.connector.handle_preemptions(out.kv_connector_metadata)
+                if not out.total_num_scheduled_tokens:
+                    return KVConnectorModelRunnerMixin.kv_connector_no_forward(out, self.config)
+                with (set_forward_context(attn, self.config, slot_mapping=slot_maps),
+                      KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out):
+                    self.forward(out)
+                    if self.instance.after_forward is not None:  # before wait_for_save
+                        self.instance.after_forward(self, out)
         req_ids = list(out.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -259,10 +274,15 @@ class Instance:
                  mla: bool = False, tp: int = 1, num_blocks: int = 256,
                  cache_dtype: str = "auto", policy: str = "recompute",
                  max_batched_tokens: int = 1024, prefix_caching: bool = False,
-                 kv_role: str = "kv_both") -> None:
+                 kv_role: str = "kv_both", connector: bool = True, layers: int = LAYERS,
+                 kv_heads: int = HEADS, head_size: int = HEAD,
+                 step_time: Callable[[SchedulerOutput], float] | None = None,
+                 fake_compute: bool = True) -> None:
         self.mla, self.tp, self.layout = mla, tp, KVCacheLayout[layout]
-        self.heads = 1 if mla else HEADS // tp
-        self.width = MLA_DIM if mla else 2 * HEAD
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        self.heads = 1 if mla else kv_heads // tp
+        self.width = MLA_DIM if mla else 2 * head_size
+        self.step_time, self.fake_compute = step_time, fake_compute
         fp8 = cache_dtype.startswith("fp8")
         self.cache_tensor_dtype = torch.uint8 if fp8 else torch.bfloat16
         transfer = KVTransferConfig(
@@ -278,18 +298,19 @@ class Instance:
                 max_num_batched_tokens=max_batched_tokens, max_num_seqs=16,
                 max_model_len=8192, enable_chunked_prefill=True, is_encoder_decoder=False),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
-            kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
+            kv_transfer_config=transfer if connector else None,
+            device_config=DeviceConfig("cpu"))
         record_kv_cache_layout(self.config.cache_config, layout)
         if mla:
             spec: Any = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_DIM,
                                          dtype=self.cache_tensor_dtype,
                                          cache_dtype_str=cache_dtype)
         else:
-            spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=HEAD,
-                                     dtype=self.cache_tensor_dtype)
-        groups = [KVCacheGroupSpec(list(NAMES), spec)]
+            spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads,
+                                     head_size=head_size, dtype=self.cache_tensor_dtype)
+        groups = [KVCacheGroupSpec(list(self.names), spec)]
         self.kv_cache_config = get_kv_cache_config_from_groups(
-            self.config, groups, num_blocks * LAYERS * spec.page_size_bytes)
+            self.config, groups, num_blocks * layers * spec.page_size_bytes)
         self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.scheduler = Scheduler(self.config, self.kv_cache_config,
                                    StructuredOutputManager(self.config), block_size=BLOCK)
@@ -311,10 +332,12 @@ class Instance:
         config.parallel_config = copy.copy(self.config.parallel_config)
         config.parallel_config.rank = index
         caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout)
-        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
-                                                        self.kv_cache_config)
-        connector.register_kv_caches(caches)
-        layers = {name: _Layer(caches[name]) for name in NAMES}
+        connector = None
+        if self.config.kv_transfer_config is not None:
+            connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
+                                                            self.kv_cache_config)
+            connector.register_kv_caches(caches)
+        layers = {name: _Layer(caches[name]) for name in self.names}
         config.compilation_config = copy.copy(self.config.compilation_config)
         config.compilation_config.static_forward_context = layers
         return Rank(self, index, config, caches, connector, layers)
@@ -389,9 +412,9 @@ class Instance:
 
     def wait_for_background(self, deadline: float, *, every: bool = False) -> None:
         """Wait until one (or `every`) background load or store of the workers is over."""
-        pending = [f for rank in self.ranks for f in rank.connector._worker._recving.values()]
-        pending += [f for rank in self.ranks for fs in rank.connector._worker._saving.values()
-                    for f in fs if not f.done()]
+        workers = [r.connector._worker for r in self.ranks if r.connector is not None]
+        pending = [f for w in workers for f in w._recving.values()]
+        pending += [f for w in workers for fs in w._saving.values() for f in fs if not f.done()]
         if pending:
             wait(pending, timeout=max(0.0, deadline - time.monotonic()),
                  return_when=ALL_COMPLETED if every else FIRST_COMPLETED)
@@ -416,7 +439,8 @@ class Instance:
 
     def close(self) -> None:
         for rank in self.ranks:
-            rank.connector.shutdown()
+            if rank.connector is not None:
+                rank.connector.shutdown()
         self.scheduler.shutdown()
 
 

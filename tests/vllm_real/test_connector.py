@@ -612,3 +612,22 @@ def test_abort_while_an_async_save_is_pending(engines: Engines, private_redis: A
         private_redis.resume()
     a.drain()
     assert pool.get_num_free_blocks() == free_before and _pool_used(a) == [0]
+
+
+def test_background_lookup_keeps_the_scheduler_going_while_redis_is_stopped(
+    engines: Engines, private_redis: Any
+) -> None:
+    tokens = prompt(700, seed=28)
+    prefill(engines(url=private_redis.url, store_async=False), "r1", tokens)
+    b = engines(url=private_redis.url, local_cpu=False, lookup_wait_ms=20, remote_timeout=30.0,
+                stats_publish_interval=None)
+    private_redis.pause()
+    try:
+        b.add("r2", tokens, max_tokens=2)
+        out = b.scheduler.schedule()  # would wait for remote_timeout, then miss, in-thread
+        assert out.num_scheduled_tokens == {}  # r2 waits for its answer; vLLM does not
+        b.execute(out)
+    finally:
+        private_redis.resume()
+    b.run(["r2"])
+    assert retrieved(b) == 2 * CHUNK and b.bad_reads == []

@@ -20,7 +20,9 @@ waits, in the scheduler's own thread: the answer must cost one round trip and no
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError
@@ -89,3 +91,36 @@ class PrefixLookup:
     def close(self) -> None:
         if self._remote is not None:
             self._remote.close()
+
+
+class BackgroundLookup:
+    """A lookup that never holds vLLM's scheduler longer than `wait_s`: it runs on one thread
+    of its own, and a call that finds its request's lookup still running after `wait_s`
+    answers None (vLLM then asks again on a later step, the connector contract's "not known
+    yet"). A Redis that stops answering costs each step at most `wait_s`, not
+    `remote_timeout`. The next call after an answer starts a new lookup: hits are never
+    served from a cache."""
+
+    def __init__(self, lookup: Callable[[Sequence[int], str | None], int], wait_s: float) -> None:
+        self._lookup = lookup
+        self.wait_s = wait_s
+        self._pending: dict[str, Future[int]] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-lookup")
+
+    def __call__(self, req_id: str, tokens: Sequence[int], cache_salt: str | None) -> int | None:
+        future = self._pending.get(req_id)
+        if future is None:
+            future = self._executor.submit(self._lookup, list(tokens), cache_salt)
+            self._pending[req_id] = future
+        try:
+            hits = future.result(timeout=self.wait_s)
+        except FutureTimeout:
+            return None
+        del self._pending[req_id]
+        return hits
+
+    def forget(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

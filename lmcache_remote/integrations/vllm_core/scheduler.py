@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
 from lmcache_remote.metrics import RateLimitedLogger
 
@@ -47,8 +48,10 @@ class SchedulerSide:
     def __init__(self, lookup: Callable[[Sequence[int], str | None], int], chunk_size: int,
                  block_size: int, *, save_unfull_chunk: bool = False, can_load: bool = True,
                  can_save: bool = True, async_load_min_tokens: int | None = None,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, lookup_wait_s: float | None = None) -> None:
         self._lookup = lookup
+        self._background = (BackgroundLookup(lookup, lookup_wait_s)
+                            if lookup_wait_s is not None else None)
         self.async_save = async_save
         self._saved: set[str] = set()  # requests with a store planned (async_save)
         self.async_load_min_tokens = async_load_min_tokens
@@ -66,12 +69,19 @@ class SchedulerSide:
         self._log = RateLimitedLogger(logger)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
-                               cache_salt: str | None = None) -> int:
+                               cache_salt: str | None = None) -> int | None:
+        """The hit to claim; None (with `lookup_wait_s`) while the lookup is still running."""
         self._salts[req_id] = cache_salt
         if not self.can_load or len(prompt) < 2:
             return 0
         try:
-            hits = self._lookup(prompt, cache_salt)
+            if self._background is not None:
+                found = self._background(req_id, prompt, cache_salt)
+                if found is None:
+                    return None
+                hits = found
+            else:
+                hits = self._lookup(prompt, cache_salt)
         except Exception as exc:  # a lookup must never fail a request
             self._log.warning("lookup", "lookup failed, counted as a miss: %s", exc)
             return 0
@@ -173,6 +183,8 @@ class SchedulerSide:
         rule to the same plans, so each reports it)."""
         delay = req_id in self._saved
         self._saved.discard(req_id)
+        if self._background is not None:
+            self._background.forget(req_id)
         self._hits.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
@@ -180,6 +192,10 @@ class SchedulerSide:
         self._salts.pop(req_id, None)
         self._trackers.pop(req_id, None)
         return delay
+
+    def close(self) -> None:
+        if self._background is not None:
+            self._background.close()
 
     def _plan(self, req_id: str, tracker: _Tracker, computed_end: int) -> RequestPlan | None:
         load = self._loads.pop(req_id, None)

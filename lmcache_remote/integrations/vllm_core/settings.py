@@ -31,7 +31,8 @@ CACHE_DTYPES: dict[str, torch.dtype] = {
 class ConnectorSettings:
     """What `kv_connector_extra_config` configures. `config_file` names a YAML file of
     `CacheConfig` fields (as `load_config`), every other key except `layerwise`,
-    `model_name`, `async_load_min_tokens` and `async_save` overrides one field; an unknown key is a
+    `model_name`, `async_load_min_tokens`, `async_save` and `lookup_wait_ms` overrides one
+    field; an unknown key is a
     `ConfigError` naming it."""
 
     config: CacheConfig
@@ -49,6 +50,11 @@ class ConnectorSettings:
     preempted request's stores finish before its blocks are reused. Off: stores copy within
     the step (layer by layer with `layerwise`) and only the Redis write is in the
     background."""
+    lookup_wait_ms: float | None = None
+    """The scheduler's lookups run on a thread of their own, and vLLM's scheduler waits at
+    most this long for one; a request whose lookup takes longer is asked about again on a
+    later step. None: lookups run in the scheduler's thread (one round trip, bounded by
+    `remote_timeout`)."""
 
 
 def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -68,8 +74,12 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     async_save = values.pop("async_save", False)
     if not isinstance(async_save, bool):
         raise ConfigError("async_save", f"must be true or false, got {async_save!r}")
+    wait_ms = values.pop("lookup_wait_ms", None)
+    if wait_ms is not None and (isinstance(wait_ms, bool) or not isinstance(wait_ms, int | float)
+                                or wait_ms < 0):
+        raise ConfigError("lookup_wait_ms", f"must be a number >= 0 or null, got {wait_ms!r}")
     return ConnectorSettings(load_config(path, **values), layerwise, model_name, async_min,
-                             async_save)
+                             async_save, wait_ms)
 
 
 @dataclasses.dataclass(frozen=True)
