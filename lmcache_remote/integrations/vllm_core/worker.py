@@ -21,6 +21,9 @@ from lmcache_remote.integrations.vllm_core.settings import (
 from lmcache_remote.metrics import RateLimitedLogger
 
 logger = logging.getLogger(__name__)
+#: Background stores (async_save) that may wait for the saver thread at once. Their chunk
+#: buffers come from the memory budget; this bounds the tasks (and the blocks they keep).
+MAX_WAITING_STORES = 64
 
 
 class WorkerSide:
@@ -241,6 +244,10 @@ class WorkerSide:
     def _submit_store(self, plan: RequestPlan, event: object | None) -> None:
         if self._saver is None:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-save")
+        waiting = [f for fs in self._saving.values() for f in fs if not f.done()]
+        if len(waiting) >= MAX_WAITING_STORES:  # the saver cannot keep up: the step waits
+            self._engine().metrics.inc("vllm.save_backpressure_waits")
+            waiting[0].exception()
         future = self._saver.submit(self._store_in_background, plan, event)
         self._saving.setdefault(plan.req_id, []).append(future)
         self._prune_done(plan.req_id)
