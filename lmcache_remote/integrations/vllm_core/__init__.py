@@ -20,8 +20,12 @@ Scheduler side (`SchedulerSide`, one per vLLM engine, in the scheduler process):
   stored or known to be stored). Only prompt tokens are stored, never decode tokens. A
   request that vLLM rolled back (`num_computed` below what was counted as stored: a short
   load being recomputed) has its chunks from there on stored again.
-- `finish(req_id)`: forget the request. Transfers never outlive a step, so vLLM may free its
-  blocks at once.
+- `loads_async(n)`: whether a hit of `n` tokens is offered as an asynchronous load
+  (`async_load_min_tokens`); such a load is planned from the blocks given to `after_alloc`,
+  in the next `build`, while vLLM keeps the request waiting. With `lookup_wait_s` lookups run
+  on a thread (`BackgroundLookup`) and answer None while still running.
+- `finish(req_id)`: forget the request; True (with `async_save`) when vLLM must keep its
+  blocks until the workers report its background stores done.
 
 Worker side (`WorkerSide`, one per rank, in the worker process):
 
@@ -44,6 +48,10 @@ Worker side (`WorkerSide`, one per rank, in the worker process):
 - `take_load_errors()`: the block ids whose planned KV did not arrive (a miss, a corrupt chunk,
   Redis down, any exception), so vLLM recomputes from the first of them. Nothing here raises
   into vLLM: a failure is logged, counted and reported as data.
+- background transfers: asynchronous loads on a loader thread, reported by
+  `finished_loads()` (with their missing blocks); with `async_save` the step's stores on a
+  saver thread, `finished_stores()` reporting finished requests whose stores are done and
+  `wait_for_stores(ids)` finishing a preempted request's stores before its blocks are reused.
 """
 
 from __future__ import annotations
