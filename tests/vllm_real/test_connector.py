@@ -437,6 +437,16 @@ def test_scheduler_side_is_no_engine(engines: Engines, redis_client: redis.Redis
     assert len(engines_keys) == 1  # ... counted once: the scheduler side is not
     assert len(metrics._SOURCES) - before_sources == 1
     assert sched._lookup is not None and sched._lookup.metrics.counters()["lookup.requests"] >= 1
+    # built alone, as vLLM's Scheduler builds it, and asked: not one thread of its own
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    threads = lmcr_threads()
+    alone = KVConnectorFactory.create_connector(engine.config, KVConnectorRole.SCHEDULER,
+                                                engine.kv_cache_config)
+    assert alone.get_num_new_matched_tokens(request, 0)[0] == 2 * CHUNK
+    assert lmcr_threads() == threads
+    alone.shutdown()
 
 
 # -- CUDA graphs and other requests ------------------------------------------------------------
