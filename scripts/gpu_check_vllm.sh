@@ -16,6 +16,8 @@
 #   5. the same long prompt (LMCR_GPU_PROMPT_TOKENS, default 6000 token ids), greedy, 32 new
 #      tokens: TTFT (streamed, median of 3) on the baseline; on A cold (a miss, stored); on B
 #      warm (every full chunk from Redis, reported as cached tokens); on A again (its CPU tier);
+#      LMCR_GPU_CONNECTOR_EXTRA (a JSON object) adds connector settings, e.g.
+#      '{"async_save": true, "lookup_wait_ms": 2}' or '{"async_load_min_tokens": null}';
 #   6. prints one JSON document and exits 0 only when every output's token ids equal the
 #      baseline's, B's cached tokens are the prompt's full chunks but the last, and the log
 #      shows the piecewise override. Logs stay in $LMCR_GPU_WORKDIR (default a temp folder).
@@ -179,8 +181,10 @@ try:
     transfer = {"kv_connector": "LmcrConnector",
                 "kv_connector_module_path": "lmcache_remote.integrations.vllm",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"remote_url": url, "key_prefix": "lmcr-gpu",
-                                              "chunk_size": chunk, "model_name": "tiny"}}
+                "kv_connector_extra_config": {
+                    "remote_url": url, "key_prefix": "lmcr-gpu", "chunk_size": chunk,
+                    "model_name": "tiny",
+                    **json.loads(os.environ.get("LMCR_GPU_CONNECTOR_EXTRA", "{}"))}}
     a, _ = serve("instance_a", model, transfer)
     b, _ = serve("instance_b", model, transfer)
     for base in (a, b):  # warm-up on other tokens: its chunks do not overlap the prompt's
