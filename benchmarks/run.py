@@ -42,7 +42,7 @@ from benchmarks.timing import Results, Row
 from lmcache_remote import DenseKV, KVView
 from lmcache_remote.serde import DEFAULT_PART_SIZE
 
-CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes")
+CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes", "blosc2-lz4", "blosc2-zstd")
 
 
 @dataclasses.dataclass(frozen=True)

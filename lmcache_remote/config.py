@@ -35,7 +35,7 @@ GIB = 1024**3
 ENV_PREFIX = "LMCR_"
 ENV_CONFIG_FILE = "LMCR_CONFIG"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes")
+_CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes", "blosc2-lz4", "blosc2-zstd")
 _CERT_REQS = ("required", "optional", "none")
 
 

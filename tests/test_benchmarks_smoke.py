@@ -23,7 +23,9 @@ def test_benchmark_suite_runs_in_tiny_mode(tmp_path: Path) -> None:
     assert "python -m benchmarks.run --tiny" in text
     for heading in ("## Machine", "## Targets on this run", "## Results", "## Codecs per dtype"):
         assert heading in text
-    for row in ("plain socket: retrieve", "redis-benchmark SET", "LMCache resp://: store", "LMCache redis:// + hiredis: retrieve",
+    for row in ("plain socket: retrieve", "redis-benchmark SET", "LMCache resp://: store",
+                "LMCache redis:// + hiredis: retrieve", "engine blosc2-zstd: store",
+                "bfloat16 tiny-model KV | blosc2-lz4",
                 "engine lz4: retrieve", "RedisTier raw: store", "store returns (write-behind)",
                 "lookup 16 chunks, all hit", "peak RSS rise", "TTFT 256-token prefix, Redis hit",
                 "bfloat16 tiny-model KV | lz4-planes", "engine zstd-planes: store",
