@@ -82,7 +82,7 @@ def main(argv: list[str]) -> None:
     sys.stdout = sys.stderr
     url, data_file = argv[0], argv[1]
     chunk_bytes, count, layers, heads, head = (int(a) for a in argv[2:7])
-    backend, loop, keys, objs, _ = _build(url, layers, heads, head, count, chunk_bytes)
+    backend, _loop, keys, objs, _ = _build(url, layers, heads, head, count, chunk_bytes)
     with open(data_file, "rb") as f:
         for obj in objs:
             view = _byte_view(obj)
@@ -134,8 +134,10 @@ def main(argv: list[str]) -> None:
         if name == "quit":
             break
         print(json.dumps(commands[name]()), file=replies, flush=True)
-    backend.close()
-    loop.call_soon_threadsafe(loop.stop)
+    # No teardown: RemoteBackend.close() can wait on LMCache's own threads for a long time
+    # (resp://); the process ends here and the kernel closes its connections.
+    replies.close()
+    os._exit(0)
 
 
 if __name__ == "__main__":

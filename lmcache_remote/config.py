@@ -54,7 +54,7 @@ class CacheConfig:
     """Keep chunks in a local CPU tier (LRU by bytes) in front of Redis."""
     max_local_cpu_size: float = 5.0
     """GiB of CPU memory for chunks: the local tier and the write-behind queue share it."""
-    serde: str = "lz4"
+    serde: str = "raw"
     """Codec of values in Redis: `raw`, `lz4`, `lz4-planes` (byte planes, then lz4) or
     `zstd-planes` (byte planes, then zstd)."""
     remote_ttl: float | None = None
