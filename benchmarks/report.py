@@ -159,6 +159,16 @@ def render(res: Results, sizes: Any, command: str, machine: dict[str, str], elap
         "also saved its figures (`--save docs/benchmarks.json`); `--render` rewrites this page "
         "from them without running anything.",
         "",
+        "The real LMCache (`lmcache==0.5.6`, its `RemoteBackend` with `remote_serde: naive` over "
+        "a `LocalCPUBackend` on a `HostMemoryAllocator`) runs in the same run, on the same "
+        "redis-server and the same bf16 bytes, one subprocess per variant "
+        "(`benchmarks/lmcache_peer.py`): `redis://` as `pip install lmcache` leaves it (redis-py "
+        "without hiredis), the same with hiredis on its path, and `resp://` (its C++ RESP "
+        "client, `save_chunk_meta: False`). Its environment lives outside the checkout and is "
+        "built once by `scripts/lmcache_env.sh` (torch==2.14.1 from local disk first, then "
+        "lmcache from PyPI; hiredis in a folder of its own), which the run calls; "
+        "`--no-lmcache` leaves these rows out.",
+        "",
         "## Machine",
         "",
         *[f"- {k}: {v}" for k, v in machine.items()],
