@@ -41,9 +41,7 @@ class SideEnv:
                              capture_output=True, text=True, timeout=3600)
         if out.returncode != 0:
             raise RuntimeError(f"scripts/lmcache_env.sh failed:\n{out.stderr[-3000:]}")
-        self.python = out.stdout.strip().splitlines()[-1]
-        env_dir = os.environ.get("LMCR_ENV_DIR", str(Path.home() / ".cache/lmcache-remote/envs"))
-        self.hiredis = str(Path(env_dir) / "lmcache-hiredis")
+        self.python, self.hiredis = out.stdout.strip().splitlines()[-2:]
 
 
 class DataFile:
