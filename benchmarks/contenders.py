@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import redis
 import torch
 
-from benchmarks import peers
 from benchmarks.data import Shape, same_kv
 from benchmarks.engine_rows import TierSource, _config
 from benchmarks.limits import PlainSocket, split
@@ -26,6 +25,10 @@ from lmcache_remote import CacheEngine, KVView
 from lmcache_remote.memory import MemoryObj
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.redis_tier import RedisTier
+
+
+def _raw(chunk: torch.Tensor) -> memoryview:
+    return chunk.view(torch.uint8).reshape(-1).numpy().data
 
 
 @dataclass
@@ -59,21 +62,13 @@ def redis_py_whole(server: LocalRedis, chunks: Sequence[torch.Tensor]) -> Conten
 
     def put() -> None:
         for key, chunk in zip(keys, chunks, strict=True):
-            client.set(key, peers._raw(chunk))
+            client.set(key, _raw(chunk))
 
     def get() -> None:
         for key, dest in zip(keys, dests, strict=True):
-            peers._raw(dest)[:] = client.get(key)
+            _raw(dest)[:] = client.get(key)
 
     return Contender("redis-py whole chunks", put, get, lambda: client.unlink(*keys),
-                     check=lambda: all(torch.equal(a, b) for a, b in zip(chunks, dests,
-                                                                         strict=True)),
-                     close=client.close)
-
-
-def lmcache(server: LocalRedis, chunks: Sequence[torch.Tensor]) -> Contender:
-    put, get, dests, keys, client = peers.lmcache_ops(server.url, chunks)
-    return Contender("LMCache pattern", put, get, lambda: client.unlink(*keys),
                      check=lambda: all(torch.equal(a, b) for a, b in zip(chunks, dests,
                                                                          strict=True)),
                      close=client.close)
@@ -120,9 +115,25 @@ def engine(server: LocalRedis, shape: Shape, kv: KVView, dest: KVView, num_token
                      check=lambda: same_kv(kv, dest, shape, num_tokens), close=e.close)
 
 
-def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object]
-         ) -> dict[str, tuple[float, float]]:
-    """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each.
+def redis_bytes(server: LocalRedis, c: Contender, nbytes: int) -> float:
+    """Bytes Redis allocates (`MEMORY USAGE` of every key, keys included) per KV byte after
+    one put of ``c`` (``nbytes`` of KV) on an emptied server; empties it again."""
+    c.clean()
+    server.settle()
+    c.put()
+    client = server.client()
+    try:
+        used = sum(int(client.memory_usage(k, samples=0)) for k in client.scan_iter(count=1000))
+    finally:
+        client.close()
+    c.clean()
+    return used / nbytes
+
+
+def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object],
+         keep_open: Sequence[Contender] = ()) -> dict[str, tuple[float, float]]:
+    """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each;
+    every contender is closed after, but those in ``keep_open``.
     Every put starts on an empty server that has freed what the last contender wrote (its
     ``clean``, then ``settle``, untimed): data left by one contender would change the server's
     memory state, and so the speed, of the next."""
@@ -145,5 +156,6 @@ def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object
             c.after()
             c.clean()
     for c in contenders:
-        c.close()
+        if c not in keep_open:
+            c.close()
     return {name: (statistics.median(p), statistics.median(g)) for name, (p, g) in times.items()}

@@ -42,6 +42,8 @@ class Shape:
 
 #: Llama-3-8B-like: 32 MiB per 256-token chunk in bfloat16.
 LLAMA8B = Shape("llama-3-8b-like", 32, 8, 128)
+#: 1 MiB per 256-token chunk in bfloat16 (4 layers, 2 KV heads, head 128).
+MIB1 = Shape("1-mib-chunks", 4, 2, 128)
 #: The tiny transformers model of the TTFT rows (2 layers, 2 KV heads, head 16).
 TINY = Shape("tiny-llama", 2, 2, 16)
 

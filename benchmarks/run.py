@@ -18,14 +18,16 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from benchmarks import codec_rows, contenders, engine_rows, limits, report
+from benchmarks import codec_rows, contenders, engine_rows, limits, lmcache_rows, report
 from benchmarks.data import (
     CHUNK,
     LLAMA8B,
+    MIB1,
     TINY,
     Shape,
     chunk_tensor,
@@ -34,12 +36,13 @@ from benchmarks.data import (
     normal_dense,
     paged_like,
 )
+from benchmarks.report import side_section
 from benchmarks.server import LocalRedis
 from benchmarks.timing import Results, Row
 from lmcache_remote import DenseKV, KVView
 from lmcache_remote.serde import DEFAULT_PART_SIZE
 
-CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes")
+CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes", "blosc2-lz4", "blosc2-zstd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +50,7 @@ class Sizes:
     """How big each part of the run is."""
 
     name: str
-    shape: Shape
-    chunks: int  # chunks moved by the throughput rows
+    sets: tuple[tuple[Shape, int], ...]  # (chunk shape, chunks) per side-by-side duel
     reps: int
     codec_mib: int
     rss_total_mib: int
@@ -61,9 +63,11 @@ class Sizes:
 
 
 MODES = {
-    "full": Sizes("full", LLAMA8B, 16, 5, 16, 2048, 512, 256, "llama", 4096, 512, 2048),
-    "quick": Sizes("quick", LLAMA8B, 4, 3, 8, 512, 128, 64, "llama", 4096, 512, 1024),
-    "tiny": Sizes("tiny", TINY, 4, 1, 1, 16, 8, 4, "tiny", 256, 16, 256),
+    "full": Sizes("full", ((LLAMA8B, 16), (MIB1, 256)), 5, 16, 2048, 512, 256, "llama", 4096,
+                  512, 2048),
+    "quick": Sizes("quick", ((LLAMA8B, 4), (MIB1, 64)), 3, 8, 512, 128, 64, "llama", 4096, 512,
+                   1024),
+    "tiny": Sizes("tiny", ((TINY, 4), (TINY, 16)), 1, 1, 16, 8, 4, "tiny", 256, 16, 256),
 }
 
 
@@ -71,26 +75,29 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def run(sizes: Sizes, out: Path | None, command: str, save: Path | None = None) -> Results:
+def run(sizes: Sizes, out: Path | None, command: str, save: Path | None = None,
+        with_lmcache: bool = True) -> Results:
     res = Results()
-    shape = sizes.shape
-    num_tokens = sizes.chunks * CHUNK
+    shape, count = sizes.sets[0]
+    num_tokens = count * CHUNK
     dense = normal_dense(shape, num_tokens)
-    chunks = [chunk_tensor(dense, shape, i) for i in range(sizes.chunks)]
-    # The engine rows copy out of (and into) vLLM's paged layout, as the product does.
-    kv = paged_like(dense, shape, num_tokens, seed=11)
-    dest = paged_like(empty_dense(shape, num_tokens), shape, num_tokens, seed=12)
-    nbytes = sizes.chunks * shape.chunk_bytes
+    chunks = [chunk_tensor(dense, shape, i) for i in range(count)]
+    nbytes = count * shape.chunk_bytes
     reps = sizes.reps
     started = time.time()
+    env = lmcache_rows.SideEnv() if with_lmcache else None
     with LocalRedis() as server:
-        print(f"redis-server {server.version()} on port {server.port}; {sizes.chunks} chunks of "
-              f"{shape.chunk_bytes / 2**20:.2f} MiB ({shape.name})", flush=True)
+        print(f"redis-server {server.version()} on port {server.port}; "
+              f"{'; '.join(side_section(s, n) for s, n in sizes.sets)}", flush=True)
         _limits(res, server, chunks, nbytes, reps)
-        _side_by_side(res, server, shape, kv, dest, chunks, num_tokens, nbytes, reps)
+        for i, (set_shape, set_count) in enumerate(sizes.sets):
+            _side_by_side(res, server, set_shape, set_count, reps, env,
+                          CODECS if i == 0 else ("raw",))
+        # The engine rows copy out of (and into) vLLM's paged layout, as the product does.
+        kv = paged_like(dense, shape, num_tokens, seed=11)
+        dest = paged_like(empty_dense(shape, num_tokens), shape, num_tokens, seed=12)
         for codec in CODECS:
-            _engine(res, server, shape, (kv, dest, dense), chunks, num_tokens, nbytes, codec,
-                    reps)
+            _engine(res, server, shape, (kv, dest, dense), chunks, count, codec, reps)
         _codecs(res, sizes)
         for name, (planned, uniform) in engine_rows.allocation_rows(server, sizes.codec_mib * 4
                                                                    ).items():
@@ -108,6 +115,8 @@ def run(sizes: Sizes, out: Path | None, command: str, save: Path | None = None) 
     elapsed = time.time() - started
     print(f"done in {elapsed:.0f} s", flush=True)
     info = machine()
+    if env is not None:
+        info["lmcache"] = f"{lmcache_rows.VERSION} ({env.python})"
     if save is not None:
         save.write_text(json.dumps({
             "mode": sizes.name, "command": command, "machine": info, "elapsed": elapsed,
@@ -144,42 +153,69 @@ def _limits(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes
     server.clear()
 
 
-def _side_by_side(res: Results, server: LocalRedis, shape: Shape, kv: KVView, dest: KVView,
-                  chunks: list[torch.Tensor], num_tokens: int, nbytes: int, reps: int) -> None:
+def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, reps: int,
+                  env: lmcache_rows.SideEnv | None, codecs: Sequence[str]) -> None:
+    """One duel over ``count`` chunks of ``shape``: the plain socket, the real LMCache (when
+    ``env``), the tier and the engine per codec; then Redis's bytes per KV byte for the tier
+    and each LMCache variant (`MEMORY USAGE` of every key a put wrote)."""
+    num_tokens = count * CHUNK
+    dense = normal_dense(shape, num_tokens)
+    chunks = [chunk_tensor(dense, shape, i) for i in range(count)]
+    kv = paged_like(dense, shape, num_tokens, seed=11)
+    dest = paged_like(empty_dense(shape, num_tokens), shape, num_tokens, seed=12)
+    nbytes = count * shape.chunk_bytes
     part = min(DEFAULT_PART_SIZE, chunks[0].nbytes)
     source = engine_rows.TierSource(shape, chunks)
-    field = [
-        contenders.plain_socket(server, chunks, part),
-        contenders.redis_py_whole(server, chunks),
-        contenders.lmcache(server, chunks),
-        *(contenders.tier(server, source, codec) for codec in CODECS),
-        *(contenders.engine(server, shape, kv, dest, num_tokens, codec) for codec in CODECS),
-    ]
+    data = lmcache_rows.DataFile(chunks) if env is not None else None
+    field = [contenders.plain_socket(server, chunks, part)]
+    if len(codecs) > 1:
+        field.append(contenders.redis_py_whole(server, chunks))
+    if env is not None and data is not None:
+        field += lmcache_rows.contenders(env, server, data, shape, count)
+    field += [contenders.tier(server, source, codec) for codec in codecs]
+    field += [contenders.engine(server, shape, kv, dest, num_tokens, codec) for codec in codecs]
     notes = {
         "plain socket": f"values of {part} B, pipelined, into reused buffers: the limit",
-        "redis-py whole chunks": "one SET / GET per 32 MiB chunk",
-        "LMCache pattern": "2 keys per chunk, one round trip each, no pipelining",
+        "redis-py whole chunks": "one SET / GET per chunk",
+        "LMCache redis://": f"lmcache=={lmcache_rows.VERSION} RemoteBackend, remote_serde "
+                            "naive, redis-py without hiredis (as pip leaves it)",
+        "LMCache redis:// + hiredis": "the same with hiredis installed",
+        "LMCache resp://": "its C++ RESP client (8 threads), save_chunk_meta False",
     }
-    result = contenders.duel(field, reps, server.settle)
-    for name, (t_put, t_get) in result.items():
-        if name.startswith("engine"):
-            put_note, get_note = ("synchronous store, copy out of vLLM's paged layout included",
-                                  "Redis hit, local tier off, copy into vLLM's paged layout "
-                                  "included")
-        elif name.startswith("RedisTier"):
-            put_note, get_note = "encode + send", "receive + check + decode"
-        else:
-            put_note = get_note = notes[name]
-        res.add("side by side", f"{name}: store", gbps(nbytes, t_put), "GB/s", put_note)
-        res.add("side by side", f"{name}: retrieve", gbps(nbytes, t_get), "GB/s", get_note)
-    source.release()
+    sec = side_section(shape, count)
+    memory_of = [c for c in field if c.name.startswith("LMCache") or c.name == "RedisTier raw"]
+    try:
+        result = contenders.duel(field, reps, server.settle, keep_open=memory_of)
+        for name, (t_put, t_get) in result.items():
+            if name.startswith("engine"):
+                put_note, get_note = ("synchronous store, copy out of vLLM's paged layout "
+                                      "included", "Redis hit, local tier off, copy into vLLM's "
+                                      "paged layout included")
+            elif name.startswith("RedisTier"):
+                put_note, get_note = "encode + send", "receive + check + decode"
+            else:
+                put_note = get_note = notes[name]
+            res.add(sec, f"{name}: store", gbps(nbytes, t_put), "GB/s", put_note)
+            res.add(sec, f"{name}: retrieve", gbps(nbytes, t_get), "GB/s", get_note)
+        for c in memory_of:
+            res.add(sec, f"{c.name}: Redis memory / KV byte",
+                    contenders.redis_bytes(server, c, nbytes), "ratio",
+                    "MEMORY USAGE of every key written, keys included")
+    finally:
+        for c in memory_of:
+            c.close()
+        source.release()
+        if data is not None:
+            data.remove()
 
 
 def _engine(res: Results, server: LocalRedis, shape: Shape,
-            views: tuple[KVView, KVView, DenseKV], chunks: list[torch.Tensor], num_tokens: int,
-            nbytes: int, codec: str, reps: int) -> None:
+            views: tuple[KVView, KVView, DenseKV], chunks: list[torch.Tensor], count: int,
+            codec: str, reps: int) -> None:
+    num_tokens = count * CHUNK
+    nbytes = count * shape.chunk_bytes
     e = engine_rows.write_behind_rows(server, shape, *views, num_tokens, codec, reps)
-    sync = nbytes / res.get("side by side", f"engine {codec}: store") / 1e9
+    sync = nbytes / res.get(side_section(shape, count), f"engine {codec}: store") / 1e9
     sec = f"engine {codec}"
     res.add(sec, "KV copy out of the cache alone", e["gather"] * 1e3, "ms",
             "gather into reused chunk buffers, vLLM's paged layout (blocks of 16)")
@@ -267,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
                              "none otherwise)")
     parser.add_argument("--save", type=Path, default=None,
                         help="also keep the figures as JSON (for --render)")
+    parser.add_argument("--no-lmcache", action="store_true",
+                        help="leave out the real LMCache rows (no side environment needed)")
     parser.add_argument("--render", type=Path, default=None, metavar="SAVED_JSON",
                         help="run nothing: write the report from a run saved with --save")
     args = parser.parse_args(argv)
@@ -279,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
     command = ".venv/bin/python -m benchmarks.run" + (f" --{name}" if name != "full" else "")
     torch.set_num_threads(os.cpu_count() or 1)
-    run(MODES[name], out, command, args.save)
+    run(MODES[name], out, command, args.save, with_lmcache=not args.no_lmcache)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ and runs a codec on each, on several threads when the codec releases the GIL.
   the low bytes (mantissa) not at all, which plain lz4 cannot exploit because they interleave.
 - ``zstd-planes`` (id 3): the same planes, each a zstd frame (level 1) or raw: zstd's entropy
   coding takes the exponent plane much further than lz4 does, at about the same speed.
+- ``blosc2-lz4`` (id 4) and ``blosc2-zstd`` (id 5): one C-Blosc2 chunk per segment
+  (python-blosc2), byte shuffle with the dtype's element size, then lz4 (clevel 9) or zstd
+  (clevel 1) per block and byte stream: the same idea as the planes, in C, block by block.
 
 Decoding never trusts its input: a codec raises `CorruptEntryError` for anything that does not
 decode to exactly the segment's length. lz4 blocks are decompressed straight into the output
@@ -27,6 +30,7 @@ import struct
 import threading
 from typing import Any, Protocol
 
+import blosc2
 import lz4.block
 import numpy as np
 import zstandard
@@ -283,8 +287,73 @@ class ZstdPlanesCodec(_PlanesCodec):
         return PLANES_HEAD.size + PLANE_ENTRY.size * max(_PLANE_COUNTS) + raw_nbytes
 
 
+class _Blosc2Codec:
+    """One C-Blosc2 chunk per segment: byte shuffle by the element size, then ``_codec``.
+
+    The stored part is exactly what ``blosc2.compress2`` returns (C-Blosc2's chunk format:
+    its own 32-byte header, then the blocks). A reader checks the chunk's own sizes (raw size
+    equal to the segment, stored size equal to the part) before decompressing into the
+    output, and that decompression fills it exactly. One thread per call: `Serde` runs the
+    parts of a chunk on its pool (the calls release the GIL)."""
+
+    name = ""
+    codec_id = -1
+    releases_gil = True
+    _codec = blosc2.Codec.LZ4
+    _clevel = 9
+
+    def encode(self, raw: memoryview, itemsize: int = 1) -> BytesLike:
+        typesize = itemsize if 1 <= itemsize <= 255 and len(raw) % itemsize == 0 else 1
+        out: bytes = blosc2.compress2(
+            raw, codec=self._codec, clevel=self._clevel, typesize=typesize, nthreads=1,
+            filters=[blosc2.Filter.SHUFFLE], filters_meta=[0],
+        )
+        return out
+
+    def decode(self, data: memoryview, out: memoryview) -> None:
+        name = self.name
+        if len(data) < blosc2.MAX_OVERHEAD:
+            raise CorruptEntryError(f"{name} part of {len(data)} bytes is shorter than a header")
+        try:
+            nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(data)
+        except Exception as exc:  # blosc2 raises plain errors for a bad header
+            raise CorruptEntryError(f"{name}: unreadable chunk header ({exc})") from None
+        if nbytes != len(out) or cbytes != len(data):
+            raise CorruptEntryError(
+                f"{name}: chunk of {nbytes} raw / {cbytes} stored bytes, expected {len(out)} "
+                f"/ {len(data)}"
+            )
+        try:  # fills exactly len(out) bytes (the chunk's own size, checked above) or raises
+            blosc2.decompress2(data, dst=out, nthreads=1)
+        except Exception as exc:
+            raise CorruptEntryError(f"{name}: chunk does not decompress ({exc})") from None
+
+    def max_encoded_nbytes(self, raw_nbytes: int) -> int:
+        return raw_nbytes + int(blosc2.MAX_OVERHEAD)
+
+
+class Blosc2Lz4Codec(_Blosc2Codec):
+    """Byte shuffle + lz4 (clevel 9: lz4 at acceleration 1 on blocks of Blosc2's choosing)."""
+
+    name = "blosc2-lz4"
+    codec_id = 4
+    _codec = blosc2.Codec.LZ4
+    _clevel = 9
+
+
+class Blosc2ZstdCodec(_Blosc2Codec):
+    """Byte shuffle + zstd at clevel 1 (zstd level 1)."""
+
+    name = "blosc2-zstd"
+    codec_id = 5
+    _codec = blosc2.Codec.ZSTD
+    _clevel = 1
+
+
 CODECS: dict[str, Codec] = {
-    c.name: c for c in (RawCodec(), Lz4Codec(), Lz4PlanesCodec(), ZstdPlanesCodec())
+    c.name: c
+    for c in (RawCodec(), Lz4Codec(), Lz4PlanesCodec(), ZstdPlanesCodec(), Blosc2Lz4Codec(),
+              Blosc2ZstdCodec())
 }
 CODECS_BY_ID: dict[int, Codec] = {codec.codec_id: codec for codec in CODECS.values()}
 

@@ -35,7 +35,7 @@ GIB = 1024**3
 ENV_PREFIX = "LMCR_"
 ENV_CONFIG_FILE = "LMCR_CONFIG"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes")
+_CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes", "blosc2-lz4", "blosc2-zstd")
 _CERT_REQS = ("required", "optional", "none")
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9.\-]{1,253}|[0-9A-Fa-f:.]{2,45})$")
 
@@ -55,7 +55,7 @@ class CacheConfig:
     """Keep chunks in a local CPU tier (LRU by bytes) in front of Redis."""
     max_local_cpu_size: float = 5.0
     """GiB of CPU memory for chunks: the local tier and the write-behind queue share it."""
-    serde: str = "lz4"
+    serde: str = "raw"
     """Codec of values in Redis: `raw`, `lz4`, `lz4-planes` (byte planes, then lz4) or
     `zstd-planes` (byte planes, then zstd)."""
     remote_ttl: float | None = None

@@ -122,3 +122,17 @@ def chunk_heads(keys: Any) -> set[Any]:
     """The chunk keys among Redis keys (str or bytes): a chunk is its key plus, when it was cut
     into several values, part keys ``<key>#1``, ``<key>#2``, ... (left out here)."""
     return {k for k in keys if ("}#" if isinstance(k, str) else b"}#") not in k}
+
+
+def tier_chunks(db: Any, layout: Any, pool: Any, n_tokens: int, seed: int) -> tuple[list, list]:
+    """The chunk specs of ``n_tokens`` tokens (ids from ``seed``) and a random `MemoryObj`
+    from ``pool`` for each, as a storage tier's put takes them."""
+    specs = db.chunks(list(range(seed, seed + n_tokens)))
+    gen = torch.Generator().manual_seed(seed)
+    objs = []
+    for s in specs:
+        obj = pool.allocate(layout.shape(s.num_tokens), layout.dtype)
+        assert obj is not None
+        obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen).to(layout.dtype))
+        objs.append(obj)
+    return specs, objs

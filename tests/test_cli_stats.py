@@ -125,7 +125,7 @@ def test_inspect_decodes_the_header_and_verifies(redis_url: str, redis_client: r
     fill(redis_url, key_prefix, "org/model-a", n=300)
     row = run_json("ls", "--url", redis_url, "--prefix", key_prefix)["entries"][0]
     info = run_json("inspect", row["redis_key"], "--url", redis_url, "--prefix", key_prefix)
-    assert info["codec"] == "lz4" and info["num_tokens"] == 256
+    assert info["codec"] == "raw" and info["num_tokens"] == 256  # the default codec
     assert info["shape"] == [2, 2, 256, 2, 8] and info["value_dtype"] == "bfloat16"
     assert info["raw_bytes"] == 2 * 2 * 256 * 2 * 8 * 2
     assert info["checksum_ok"] is True and info["error"] is None

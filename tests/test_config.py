@@ -22,7 +22,7 @@ def test_defaults_match_design() -> None:
     assert cfg.key_prefix == "lmcr"
     assert cfg.local_cpu is True
     assert cfg.max_local_cpu_size == 5.0
-    assert cfg.serde == "lz4"
+    assert cfg.serde == "raw"  # chosen by DESIGN.md's codec-default rule (docs/benchmarks.md)
     assert cfg.remote_ttl is None
     assert cfg.save_unfull_chunk is False
     assert cfg.store_async is True

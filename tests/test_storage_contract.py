@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from kvutil import tier_chunks
 
 from lmcache_remote import CacheConfig
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase
@@ -33,16 +34,7 @@ def tier(request: pytest.FixtureRequest, key_prefix: str) -> Iterator[StorageTie
 
 
 def chunks(n_tokens: int, seed: int) -> tuple[list, list[MemoryObj]]:
-    pool = MemoryPool(64 * 1024 * 1024, pin_memory=False)
-    specs = DB.chunks(list(range(seed, seed + n_tokens)))
-    gen = torch.Generator().manual_seed(seed)
-    objs = []
-    for s in specs:
-        obj = pool.allocate(LAYOUT.shape(s.num_tokens), LAYOUT.dtype)
-        assert obj is not None
-        obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen).to(LAYOUT.dtype))
-        objs.append(obj)
-    return specs, objs
+    return tier_chunks(DB, LAYOUT, MemoryPool(64 * 1024 * 1024, pin_memory=False), n_tokens, seed)
 
 
 def test_put_contains_get_round_trip(tier: StorageTier) -> None:

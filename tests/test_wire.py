@@ -3,6 +3,7 @@ replies per command, values received in place, and connections that time out or 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -287,3 +288,31 @@ def test_tier_reads_chunks_written_with_other_codec_or_part_size(
     assert reader.metrics.snapshot().get("remote", {}).get("corrupt_chunks", 0) == 0
     writer.close()
     reader.close()
+
+
+def test_send_buffers_sends_every_byte_in_order_across_partial_sends() -> None:
+    """More buffers than one sendmsg takes, empty ones among them, and more bytes than the
+    socket buffer holds (so sendmsg returns partial counts): the peer reads exactly their
+    concatenation."""
+    from lmcache_remote.storage.wire import send_buffers
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    buffers = [bytes([i % 251]) * (i % 7) for i in range(3000)] + [memoryview(bytes(3 << 20))]
+    want = b"".join(bytes(x) for x in buffers)
+    got = bytearray()
+
+    def read() -> None:
+        while len(got) < len(want):
+            chunk = b.recv(1 << 20)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    send_buffers(a, buffers)
+    reader.join(60)
+    a.close()
+    b.close()
+    assert bytes(got) == want

@@ -19,6 +19,10 @@ round trip.
   MSET (several parts), or, when `remote_ttl` is set and there are several parts, an EVAL of
   `SET ... PX` per part (MSET takes no expiry, and MSET then PEXPIRE could leave parts without
   one if the connection broke in between). `chunk_write_command` builds it for every tier.
+  On a single server a put's chunks go out in windows over up to `WRITE_LANES` connections
+  at once (encoding, sending and the server's work overlap across windows); encoded bytes in
+  flight stay within one `ByteBudget`, and a window that fails fails alone: its chunks are
+  not counted as written, the others' are, and the error is raised when all are done.
 
 Two transports carry the same commands. For a plain single-node `redis.Redis` the bulk
 commands (EXISTS, GET, SET, MSET, EVAL) go through `wire.BulkPipeline` on redis-py's own
@@ -33,9 +37,12 @@ never a partial chunk.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -73,6 +80,36 @@ INFLIGHT_BYTES = 8 * 1024 * 1024
 _KEY_CACHE_SIZE = 4096
 #: Gives a read its chunk buffer of so many tokens, or None when there is no room.
 Allocator = Callable[[int], MemoryObj | None]
+#: Connections one `put` writes over at once on a single server (see `RedisTier.put`).
+WRITE_LANES = 4
+#: Connections one `get` reads over at once on a single server (see `RedisTier._get_wire`).
+READ_LANES = 4
+
+
+class ByteBudget:
+    """A byte count that threads take from and give back; `acquire` waits while the budget
+    would go negative, except that a request passes when nothing is taken (so one window
+    larger than the whole budget still goes, alone)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._total = nbytes
+        self._taken = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        with self._cond:
+            while self._taken and self._taken + nbytes > self._total:
+                self._cond.wait()
+            self._taken += nbytes
+
+    def release(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        with self._cond:
+            self._taken -= nbytes
+            self._cond.notify_all()
 
 
 #: Writes every part of a chunk with the same expiry in one atomic step (a script runs whole).
@@ -174,6 +211,12 @@ class RedisTier(StorageTier):
         self.caller = RemoteCaller(config.remote_timeout, self.gate)
         self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
         self._log = RateLimitedLogger(logger)
+        self.write_lanes = WRITE_LANES
+        self.read_lanes = READ_LANES
+        self._write_lock = threading.Lock()
+        self._writers: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
+        self._write_budget = ByteBudget(_WINDOW_BYTES)
 
     # -- keys -------------------------------------------------------------------------------
 
@@ -286,38 +329,99 @@ class RedisTier(StorageTier):
         return sum(self.put_each(keys, objs))
 
     def put_each(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> list[bool]:
-        """Write the chunks (one atomic command each, in windows); per chunk, whether it landed.
+        """Writes the chunks, each in one atomic command; per chunk, whether it landed.
 
-        Raises `BackendError` when nothing landed; a failure after earlier windows landed is
-        counted (`remote.errors`), logged, and leaves the rest False."""
-        landed: list[bool] = []
-        batch: list[tuple[list[str], list[Any]]] = []
-        size = 0
-        try:
-            for key, obj in zip(keys, objs, strict=True):
-                num_tokens = obj.tensor.shape[2]
-                values: list[Any]
-                if self.wire is not None:  # value 0 as (header, part 0): no copy of part 0
-                    header, parts = self.serde.encode_parts(obj.tensor, key.hash_bytes,
-                                                            num_tokens)
-                    values = [(header, parts[0]), *parts[1:]]
-                    size += len(header) + sum(len(memoryview(v)) for v in parts)
-                else:
-                    values = list(self.serde.encode(obj.tensor, key.hash_bytes, num_tokens))
-                    size += sum(len(memoryview(v)) for v in values)
-                batch.append((key.part_keys(self.prefix, len(values)), values))
-                if size >= _WINDOW_BYTES:
-                    landed += self._write(batch)
-                    batch, size = [], 0
-            if batch:
-                landed += self._write(batch)
-        except BackendError as exc:
-            if not any(landed):
-                raise
+        On a single server the chunks are cut into windows of about `_WINDOW_BYTES / lanes`
+        and up to `write_lanes` windows are encoded and written at once, each over its own
+        pooled connection: one window's encoding overlaps another's sending, and Redis always
+        has bytes to read. Encoded bytes in flight stay within `_WINDOW_BYTES` (raw parts are
+        views of the chunk buffers and cost nothing). If a window fails, the others still run
+        to the end and only the chunks whose command was answered count as landed (and in
+        `remote.written_chunks`). The first error is raised when nothing landed; otherwise it
+        is counted (`remote.errors`) and logged, and the failed windows' chunks are False."""
+        if not keys:
+            return []
+        lanes = self.write_lanes if self.wire is not None else 1
+        windows = self._write_windows(objs, _WINDOW_BYTES // lanes if lanes > 1 else
+                                      _WINDOW_BYTES)
+        pairs = list(zip(keys, objs, strict=True))
+        landed = [False] * len(keys)
+        error: BaseException | None = None
+        if lanes <= 1 or len(windows) <= 1:
+            for w in windows:
+                try:
+                    landed[w.start:w.stop] = self._encode_and_write([pairs[i] for i in w])
+                except BackendError as exc:
+                    error = exc
+                    break  # one connection, in order: the rest would fail the same way
+        else:
+            executor = self._lane_pool("_writers", lanes)
+            futures = [(w, executor.submit(self._budgeted_write, [pairs[i] for i in w]))
+                       for w in windows]
+            for w, future in futures:  # every window runs to its end before put returns
+                try:
+                    landed[w.start:w.stop] = future.result()
+                except BaseException as exc:
+                    error = error or exc
+        if error is not None:
+            if not isinstance(error, BackendError) or not any(landed):
+                raise error
             self.metrics.inc("remote.errors")
             self._log.warning("write-window", "a write window failed after %d chunks landed: "
-                              "%s", sum(landed), exc)
-        return landed + [False] * (len(keys) - len(landed))
+                              "%s", sum(landed), error)
+        return landed
+
+    def _write_windows(self, objs: Sequence[MemoryObj], window_bytes: int) -> list[range]:
+        """Consecutive runs of chunk indexes, each about ``window_bytes`` of raw KV (at least
+        one chunk)."""
+        out, start, size = [], 0, 0
+        for i, obj in enumerate(objs):
+            size += obj.nbytes
+            if size >= window_bytes:
+                out.append(range(start, i + 1))
+                start, size = i + 1, 0
+        if start < len(objs):
+            out.append(range(start, len(objs)))
+        return out
+
+    def _encoded_cost(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> int:
+        """Bytes encoding these chunks allocates, at most: none for raw (views), else their size."""
+        if self.serde.codec.codec_id == 0 and self.wire is not None:
+            return 0
+        return sum(obj.nbytes for _, obj in pairs)
+
+    def _budgeted_write(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]
+                        ) -> list[bool]:
+        cost = self._encoded_cost(pairs)
+        self._write_budget.acquire(cost)
+        try:
+            return self._encode_and_write(pairs)
+        finally:
+            self._write_budget.release(cost)
+
+    def _encode_and_write(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]
+                          ) -> list[bool]:
+        """Encodes one window of chunks and writes it in one pipelined batch."""
+        batch: list[tuple[list[str], list[Any]]] = []
+        for key, obj in pairs:
+            num_tokens = obj.tensor.shape[2]
+            values: list[Any]
+            if self.wire is not None:  # value 0 as (header, part 0): no copy of part 0
+                header, parts = self.serde.encode_parts(obj.tensor, key.hash_bytes, num_tokens)
+                values = [(header, parts[0]), *parts[1:]]
+            else:
+                values = list(self.serde.encode(obj.tensor, key.hash_bytes, num_tokens))
+            batch.append((key.part_keys(self.prefix, len(values)), values))
+        return self._write(batch)
+
+    def _lane_pool(self, name: str, lanes: int) -> ThreadPoolExecutor:
+        """The thread pool ``name`` (``_writers`` or ``_readers``), started on first use."""
+        with self._write_lock:
+            pool: ThreadPoolExecutor | None = getattr(self, name)
+            if pool is None:
+                pool = ThreadPoolExecutor(lanes, thread_name_prefix=f"lmcr{name[:-1]}")
+                setattr(self, name, pool)
+            return pool
 
     def delete(self, keys: Sequence[CacheEngineKey]) -> int:
         if not keys:
@@ -342,6 +446,11 @@ class RedisTier(StorageTier):
         return names, {key.redis_key(self.prefix) for key in keys}
 
     def close(self) -> None:
+        with self._write_lock:
+            pools, self._writers, self._readers = (self._writers, self._readers), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.serde.close()
         self.client.close()
 
@@ -351,11 +460,13 @@ class RedisTier(StorageTier):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _windows(self, specs: Sequence[ChunkSpec]) -> Iterator[Sequence[ChunkSpec]]:
+    def _windows(self, specs: Sequence[ChunkSpec], window_bytes: int = 0
+                 ) -> Iterator[Sequence[ChunkSpec]]:
+        window_bytes = window_bytes or _WINDOW_BYTES
         start, size = 0, 0
         for i, spec in enumerate(specs):
             size += self.layout.nbytes(spec.num_tokens)
-            if size >= _WINDOW_BYTES:
+            if size >= window_bytes:
                 yield specs[start:i + 1]
                 start, size = i + 1, 0
         if start < len(specs):
@@ -395,12 +506,40 @@ class RedisTier(StorageTier):
     # -- the fast read path -----------------------------------------------------------------
 
     def _get_wire(self, specs: Sequence[ChunkSpec], out: list[MemoryObj]) -> None:
-        """Appends the leading run of good chunks to ``out``, window by window."""
-        for window in self._windows(specs):
-            got, complete = self._get_window(window)
+        """Appends the leading run of good chunks to ``out``, window by window; with several
+        `read_lanes`, windows of `_WINDOW_BYTES / lanes` are fetched at once, each over its own
+        connection, and taken in order (what follows a short window is released)."""
+        lanes = self.read_lanes
+        if lanes <= 1:
+            windows = list(self._windows(specs))
+        else:
+            windows = list(self._windows(specs, _WINDOW_BYTES // lanes))
+        if lanes <= 1 or len(windows) <= 1:
+            for window in windows:
+                got, complete = self._get_window(window)
+                out.extend(got)
+                if not complete:
+                    break
+            return
+        executor = self._lane_pool("_readers", lanes)
+        futures = [executor.submit(self._get_window, w) for w in windows]
+        complete, error = True, None
+        for future in futures:
+            if not complete or error is not None:  # past the prefix: not wanted
+                if future.cancel():
+                    continue
+                with contextlib.suppress(BaseException):
+                    for obj in future.result()[0]:
+                        obj.release()
+                continue
+            try:
+                got, complete = future.result()
+            except BaseException as exc:
+                error = exc
+                continue
             out.extend(got)
-            if not complete:
-                break
+        if error is not None:
+            raise error
 
     def _get_window(self, window: Sequence[ChunkSpec]) -> tuple[list[MemoryObj], bool]:
         """The leading run of good chunks of one window, and whether the whole window was."""

@@ -29,6 +29,7 @@ Contract:
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
@@ -43,6 +44,7 @@ Sink = Callable[[int, int], "memoryview | list[memoryview] | None"]
 _CRLF = b"\r\n"
 _COALESCE = 64 * 1024  # values smaller than this are copied into the command buffer
 _RECV_CHUNK = 1024 * 1024
+_IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 
 
 def supports(client: object) -> TypeGuard[redis.Redis]:
@@ -301,25 +303,44 @@ class BulkPipeline:
 
     @staticmethod
     def _send(sock: socket.socket, commands: Sequence[Sequence[Any]]) -> None:
+        """Sends the commands: small pieces joined, big values as views, in one `sendmsg`
+        per up to `_IOV_MAX` buffers (one syscall for many chunks, where one `sendall` per
+        buffer cost a syscall and a server wake-up per value)."""
+        buffers: list[BytesLike] = []
         pending: list[bytes] = []
-        size = 0
         for args in commands:
             small = args if isinstance(args, bytes) else _pack_small(args)
-            pieces = [small] if small is not None else pack(args)
-            for piece in pieces:
+            for piece in [small] if small is not None else pack(args):
                 if isinstance(piece, bytes) and len(piece) < _COALESCE:
                     pending.append(piece)
-                    size += len(piece)
                     continue
                 if pending:
-                    sock.sendall(b"".join(pending))
-                    pending, size = [], 0
-                sock.sendall(piece)
-            if size >= _COALESCE:
-                sock.sendall(b"".join(pending))
-                pending, size = [], 0
+                    buffers.append(b"".join(pending))
+                    pending = []
+                buffers.append(piece)
         if pending:
-            sock.sendall(b"".join(pending))
+            buffers.append(b"".join(pending))
+        send_buffers(sock, buffers)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[BytesLike]) -> None:
+    """Every byte of ``buffers``, in order: `sendmsg` (scatter/gather, partial sends resumed)
+    where the socket has it, one `sendall` per buffer on a TLS socket."""
+    if isinstance(sock, ssl.SSLSocket):
+        for buf in buffers:
+            sock.sendall(buf)
+        return
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i:i + _IOV_MAX])
+        while sent and i < len(views):
+            if sent >= len(views[i]):
+                sent -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
 
 
 def pack_command(args: Sequence[str | bytes | int]) -> bytes:

@@ -1,0 +1,230 @@
+"""RedisTier.put and get over several connections at once (`write_lanes`, `read_lanes`),
+against a real Redis: every chunk lands whole, a window whose connection breaks fails alone
+(its chunks are not counted as written, and none is left half-written), the encoded bytes in
+flight stay within the write budget, and a get still serves exactly the leading run of hits.
+
+Windows are made small here (`_WINDOW_BYTES` patched) so that one put of a few dozen small
+chunks is cut into several windows, as a put of real 32 MiB chunks is."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import redis
+import torch
+from kvutil import tier_chunks
+
+from lmcache_remote import CacheConfig
+from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase
+from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
+from lmcache_remote.metrics import Metrics
+from lmcache_remote.storage import redis_tier
+from lmcache_remote.storage.redis_tier import ByteBudget, RedisTier, command_key
+from lmcache_remote.storage.wire import pack
+
+LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)  # 8 KiB per 64-token chunk
+DB = TokenDatabase(KeyNamespace("lanes/model", 1, 0, "bfloat16"), 64, save_unfull_chunk=False)
+CHUNK_BYTES = LAYOUT.nbytes(64)
+PER_WINDOW = 4  # chunks per window with 4 lanes (see `small_windows`)
+N_CHUNKS = 16
+
+
+@pytest.fixture(autouse=True)
+def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_tier, "_WINDOW_BYTES", 4 * PER_WINDOW * CHUNK_BYTES)
+
+
+def make_chunks(pool: MemoryPool, seed: int) -> tuple[list[ChunkSpec], list[MemoryObj]]:
+    return tier_chunks(DB, LAYOUT, pool, 64 * N_CHUNKS, seed)
+
+
+@pytest.fixture
+def pool() -> MemoryPool:
+    return MemoryPool(64 * 1024 * 1024, pin_memory=False)
+
+
+def make_tier(url: str, prefix: str, pool: MemoryPool, codec: str = "raw") -> RedisTier:
+    # parts of at most 4 KiB: every chunk is several values written by one MSET
+    cfg = CacheConfig(remote_url=url, key_prefix=prefix, remote_part_size=4096, serde=codec)
+    tier = RedisTier(cfg, LAYOUT, pool, Metrics())
+    assert tier.wire is not None and tier.write_lanes > 1
+    return tier
+
+
+@pytest.fixture
+def tiers(redis_url: str, key_prefix: str, pool: MemoryPool) -> Iterator[list[RedisTier]]:
+    made: list[RedisTier] = []
+    yield made
+    for t in made:
+        t.close()
+
+
+def part_counts(client: redis.Redis, tier: RedisTier, specs: Sequence[ChunkSpec]) -> list[int]:
+    """How many of each chunk's values are in Redis."""
+    return [int(client.exists(*tier._keys(s))) for s in specs]
+
+
+def test_a_put_over_several_connections_writes_every_chunk(
+    redis_url: str, key_prefix: str, pool: MemoryPool, tiers: list[RedisTier]
+) -> None:
+    writer = make_tier(redis_url, key_prefix, pool, "lz4")
+    reader = make_tier(redis_url, key_prefix, pool, "raw")
+    tiers += [writer, reader]
+    specs, objs = make_chunks(pool, seed=1)
+    assert len(writer._write_windows(objs, redis_tier._WINDOW_BYTES // writer.write_lanes)) == (
+        N_CHUNKS // PER_WINDOW
+    )
+    assert writer.put([s.key for s in specs], objs) == N_CHUNKS
+    assert writer.metrics.get("remote.written_chunks") == N_CHUNKS
+    got = reader.get(specs)
+    assert len(got) == N_CHUNKS
+    for want, have in zip(objs, got, strict=True):
+        assert torch.equal(want.tensor.view(torch.uint8), have.tensor.view(torch.uint8))
+        have.release()
+
+
+def test_a_broken_connection_fails_its_window_alone_and_leaves_no_half_chunk(
+    redis_url: str, key_prefix: str, pool: MemoryPool, tiers: list[RedisTier],
+    redis_client: redis.Redis,
+) -> None:
+    """The stub: the connection carrying the third window waits until the three other windows
+    (on their own connections) are answered, then sends its first chunk whole, half of the
+    second chunk's MSET, and is shut down (on every attempt, so the caller's retry fails too).
+    Redis drops the half command."""
+    writer = make_tier(redis_url, key_prefix, pool)
+    reader = make_tier(redis_url, key_prefix, pool)
+    tiers += [writer, reader]
+    specs, objs = make_chunks(pool, seed=2)
+    broken = specs[2 * PER_WINDOW: 3 * PER_WINDOW]
+    target = writer._keys(broken[0])[0]
+    assert writer.wire is not None
+    honest_send = writer.wire._send
+    honest_write = writer._write
+    cut, others_done = threading.Event(), threading.Event()
+    answered = []
+
+    def write(batch: Any) -> list[bool]:
+        n = honest_write(batch)
+        answered.append(n)
+        if len(answered) == N_CHUNKS // PER_WINDOW - 1:
+            others_done.set()
+        return n
+
+    def send(sock: socket.socket, commands: Sequence[Sequence[Any]]) -> None:
+        if command_key(commands[0]) != target:
+            honest_send(sock, commands)
+            return
+        assert others_done.wait(60)
+        honest_send(sock, commands[:1])
+        second = b"".join(bytes(p) for p in pack(commands[1]))
+        sock.sendall(second[: len(second) // 2])
+        sock.shutdown(socket.SHUT_WR)
+        cut.set()
+
+    writer.wire._send = send  # type: ignore[method-assign]
+    writer._write = write  # type: ignore[method-assign]
+    flags = writer.put_each([s.key for s in specs], objs)  # other windows landed: no raise
+    assert cut.is_set()
+    assert writer.metrics.get("remote.errors") >= 1
+    counts = part_counts(redis_client, writer, specs)
+    nparts = len(writer._keys(specs[0]))
+    assert nparts >= 2
+    assert all(c in (0, nparts) for c in counts), counts  # whole or absent, never half
+    landed = [i for i, c in enumerate(counts) if c == nparts]
+    assert counts[2 * PER_WINDOW] == nparts and counts[2 * PER_WINDOW + 1] == 0
+    others = [i for i in range(N_CHUNKS) if not 2 * PER_WINDOW <= i < 3 * PER_WINDOW]
+    assert set(others) <= set(landed)
+    # only the windows whose replies all came back are counted as written, and as landed
+    assert writer.metrics.get("remote.written_chunks") == len(others)
+    assert [i for i, ok in enumerate(flags) if ok] == others
+    for i in landed:
+        got = reader.get([specs[i]])
+        assert len(got) == 1 and torch.equal(got[0].tensor, objs[i].tensor)
+        got[0].release()
+    assert reader.metrics.get("remote.corrupt_chunks") == 0
+
+
+class _RecordingBudget(ByteBudget):
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.total = nbytes
+        self.taken = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> None:
+        super().acquire(nbytes)
+        with self.lock:
+            self.taken += nbytes
+            self.peak = max(self.peak, self.taken)
+
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            self.taken -= nbytes
+        super().release(nbytes)
+
+
+def test_encoded_bytes_in_flight_stay_within_the_budget(
+    redis_url: str, key_prefix: str, pool: MemoryPool, tiers: list[RedisTier]
+) -> None:
+    writer = make_tier(redis_url, key_prefix, pool, "lz4")
+    tiers.append(writer)
+    budget = _RecordingBudget(2 * PER_WINDOW * CHUNK_BYTES)  # two windows' worth, of four lanes
+    writer._write_budget = budget
+    specs, objs = make_chunks(pool, seed=3)
+    assert writer.put([s.key for s in specs], objs) == N_CHUNKS
+    assert 0 < budget.peak <= budget.total
+    assert budget.taken == 0
+
+
+def test_byte_budget_lets_one_oversized_request_through_alone() -> None:
+    budget = ByteBudget(10)
+    budget.acquire(25)  # nothing taken: passes, alone
+    entered = threading.Event()
+
+    def second() -> None:
+        budget.acquire(1)
+        entered.set()
+        budget.release(1)
+
+    t = threading.Thread(target=second)
+    t.start()
+    budget.release(25)
+    assert entered.wait(10)
+    t.join(10)
+    budget.acquire(10)
+    budget.release(10)
+
+
+def test_a_get_over_several_connections_serves_the_prefix_and_frees_the_rest(
+    redis_url: str, key_prefix: str, pool: MemoryPool, tiers: list[RedisTier],
+    redis_client: redis.Redis,
+) -> None:
+    """Reads are cut into windows read at once (`read_lanes`) too: a chunk missing in the
+    third window ends the hits there, whatever the windows after it hold, and their buffers go
+    back to the pool."""
+    tier = make_tier(redis_url, key_prefix, pool)
+    tiers.append(tier)
+    assert tier.read_lanes > 1
+    specs, objs = make_chunks(pool, seed=4)
+    assert tier.put([s.key for s in specs], objs) == N_CHUNKS
+    held = pool.used_bytes
+    got = tier.get(specs)
+    assert len(got) == N_CHUNKS
+    for want, have in zip(objs, got, strict=True):
+        assert torch.equal(want.tensor, have.tensor)
+        have.release()
+    missing = 2 * PER_WINDOW + 1
+    redis_client.unlink(*tier._keys(specs[missing]))
+    got = tier.get(specs)
+    assert len(got) == missing
+    for want, have in zip(objs[:missing], got, strict=True):
+        assert torch.equal(want.tensor, have.tensor)
+    assert pool.used_bytes == held + missing * CHUNK_BYTES
+    for have in got:
+        have.release()
+    assert pool.used_bytes == held
