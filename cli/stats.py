@@ -38,3 +38,7 @@ def _print(cx: CliContext, result: dict[str, Any]) -> None:
     rate = "-" if e["hit_rate"] is None else f"{100 * e['hit_rate']:.1f}%"
     cx.out.print(f"engines: {e['count']} publishing, lookups {e['lookup_tokens']} tokens, "
                  f"hits {e['hit_tokens']} tokens, hit rate {rate}")
+    cx.out.print(f"lookup promises broken: {e['promise_broken_tokens']} tokens (no memory "
+                 f"{e['no_room_chunks']}, incomplete {e['remote_incomplete_chunks']}, corrupt "
+                 f"{e['remote_corrupt_chunks']} chunks); duplicate writes skipped "
+                 f"{e['duplicate_writes_skipped']}")

@@ -13,7 +13,13 @@ Who calls what, and what each call promises:
   `len(tokens)`, True where KV was written into `kv`: always a prefix of the masked range,
   ending at the first chunk that is missing or fails a check. Tokens not reported as hits are
   never written. A remote failure is a miss.
-- `lookup(tokens, *, cache_salt=None) -> int`: leading tokens retrievable now.
+- `lookup(tokens, *, cache_salt=None) -> int`: leading tokens retrievable now. In a fault-free
+  run a `retrieve` of the same tokens that follows delivers them all, whatever the state of the
+  local tier (a full one evicts for the load). When it does not (Redis evicted a chunk in
+  between, a bad value, no memory), the tokens lost are counted in
+  `engine.promise_broken_tokens` and logged (WARNING, rate-limited), with the counters that say
+  why (`memory.no_room_chunks`, `remote.miss_chunks`, `remote.incomplete_chunks`,
+  `remote.corrupt_chunks`, `remote.errors`).
 - `store_layer(...)` / `retrieve_layer(...)`: the same as `store` / `retrieve`, one layer per
   step (generators), so that a layer's copy overlaps the engine's compute of the next layer;
   they read and write exactly the chunks (keys and bytes) of the whole-request calls.
@@ -45,6 +51,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Generator
 from types import TracebackType
 from typing import Any
@@ -55,13 +62,49 @@ from lmcache_remote.config import CacheConfig
 from lmcache_remote.connectors import KVView
 from lmcache_remote.errors import BackendPermissionError
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase, tokens_to_array
+from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj
-from lmcache_remote.metrics import Metrics
+from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.reporting import EngineReporter
 from lmcache_remote.serde import dtype_name
 from lmcache_remote.storage.manager import StorageManager, StorePlan
 
 logger = logging.getLogger(__name__)
+#: Recent lookups remembered to check that the retrieve that follows keeps their promise.
+_PROMISES_KEPT = 4096
+#: Counters that say why a retrieve delivered less than its lookup promised.
+_BREAK_REASONS = ("memory.no_room_chunks", "remote.pool_full", "remote.miss_chunks",
+                  "remote.incomplete_chunks", "remote.corrupt_chunks", "remote.errors")
+
+
+class PromiseLedger:
+    """What recent lookups promised: the key of a lookup's last hit chunk -> the token where
+    that hit ends. A retrieve of the same prefix that stops before it broke the promise.
+    Bounded (oldest forgotten first) and thread-safe."""
+
+    def __init__(self, size: int = _PROMISES_KEPT) -> None:
+        self._ends: OrderedDict[CacheEngineKey, int] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def promise(self, spec: ChunkSpec) -> None:
+        with self._lock:
+            self._ends[spec.key] = spec.end
+            self._ends.move_to_end(spec.key)
+            if len(self._ends) > self._size:
+                self._ends.popitem(last=False)
+
+    def broken(self, specs: list[ChunkSpec], delivered: int) -> int:
+        """Tokens a retrieve of `specs` that delivered its first `delivered` chunks owed to a
+        lookup (0 when none promised more); the promise is settled either way."""
+        owed_end = 0
+        with self._lock:
+            for spec in specs:
+                end = self._ends.pop(spec.key, None)
+                if end is not None:
+                    owed_end = max(owed_end, end)
+        got_end = specs[delivered - 1].end if delivered else specs[0].start
+        return max(0, owed_end - got_end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +159,8 @@ class CacheEngine:
         ns = self.token_db.namespace
         self.reporter = EngineReporter(config, ns.model_name, ns.world_size, ns.worker_id,
                                        ns.dtype, self.metrics, self.storage)
+        self._promises = PromiseLedger()
+        self._log = RateLimitedLogger(logger)
         self._frozen = False
         self._closed = False
         self._close_lock = threading.Lock()
@@ -149,6 +194,8 @@ class CacheEngine:
         specs = self.token_db.prefix_keys(tokens, cache_salt)
         hits = self.storage.lookup(specs)
         hit_tokens = specs[hits - 1].end if hits else 0
+        if hits:
+            self._promises.promise(specs[hits - 1])
         self.metrics.inc("engine.lookup_requests")
         self.metrics.inc("engine.lookup_tokens", specs[-1].end if specs else 0)
         self.metrics.inc("engine.lookup_hit_tokens", hit_tokens)
@@ -184,6 +231,7 @@ class CacheEngine:
             return ret
         self._check_view(kv)
         objs = self.storage.fetch(specs)
+        self._check_promise(specs, len(objs))
         try:
             hit = specs[: len(objs)]
             if hit:
@@ -312,6 +360,18 @@ class CacheEngine:
             logger.warning("Redis is not usable at start-up (%s); the engine runs without it "
                            "and tries it again on the next calls.", exc)
 
+    def _check_promise(self, specs: list[ChunkSpec], delivered: int) -> None:
+        """Count and log a retrieve that delivered less than a lookup of it promised."""
+        owed = self._promises.broken(specs, delivered)
+        if not owed:
+            return
+        self.metrics.inc("engine.promise_broken_requests")
+        self.metrics.inc("engine.promise_broken_tokens", owed)
+        counters = self.metrics.counters()
+        reasons = ", ".join(f"{n} {int(counters.get(n, 0))}" for n in _BREAK_REASONS)
+        self._log.warning("promise", "a retrieve delivered %d tokens fewer than its lookup "
+                          "promised (counters so far: %s)", owed, reasons)
+
     def _check_view(self, kv: KVView) -> None:
         if not isinstance(kv, KVView):
             raise ValueError(f"kv must be a PagedKV or DenseKV, got {type(kv).__name__}")
@@ -373,6 +433,8 @@ class CacheEngine:
     ) -> Generator[torch.Tensor, None, None]:
         ret = torch.zeros(num_tokens, dtype=torch.bool)
         objs = self.storage.fetch(specs) if specs else []
+        if specs:
+            self._check_promise(specs, len(objs))
         hit = specs[: len(objs)]
         if hit:
             ret[hit[0].start : hit[-1].end] = True
@@ -419,14 +481,15 @@ class CacheEngine:
         """Hand the filled chunks to the tiers; the tokens now held (a prefix)."""
         plan, sources = batch.plan, batch.sources
         idx = [i for i, o in enumerate(sources) if o is not None]
-        remote_ok = self.storage.write(
+        accepted = self.storage.write(
             [specs[i].key for i in idx], [_obj(sources[i]) for i in idx],
             [plan.need_local[i] for i in idx], [plan.need_remote[i] for i in idx],
         )
+        remote_ok = dict(zip(idx, accepted, strict=True))
         held = 0
         for i in range(len(sources)):
             local_held = sources[i] is not None and self.storage.local is not None
-            remote_held = plan.remote_has[i] or (plan.need_remote[i] and remote_ok)
+            remote_held = plan.remote_has[i] or remote_ok.get(i, False)
             if not (local_held or remote_held):
                 break
             held = i + 1

@@ -106,6 +106,12 @@ class MemoryPool:
             self._used_bytes += size
         return MemoryObj(buffer, shape, dtype, self)
 
+    def shortfall(self, nbytes: int) -> int:
+        """Bytes that must be freed (released by their holders) before an allocation of
+        `nbytes` can succeed; 0 or less when it can now (kept-free buffers are dropped for it)."""
+        with self.lock:
+            return self._used_bytes + nbytes - self.max_bytes
+
     def give_back(self, buffer: torch.Tensor) -> None:
         size = buffer.numel()
         with self.lock:

@@ -45,6 +45,11 @@ PUBLISHED_COUNTERS = {
     "remote_read_bytes": "remote.read_bytes",
     "remote_written_bytes": "remote.written_bytes",
     "local_evicted_chunks": "local.evicted_chunks",
+    "promise_broken_tokens": "engine.promise_broken_tokens",
+    "no_room_chunks": "memory.no_room_chunks",
+    "remote_incomplete_chunks": "remote.incomplete_chunks",
+    "remote_corrupt_chunks": "remote.corrupt_chunks",
+    "duplicate_writes_skipped": "remote.duplicate_writes_skipped",
 }
 
 

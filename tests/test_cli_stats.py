@@ -73,6 +73,25 @@ def test_stats_shows_the_fleet_hit_rate(redis_url: str, key_prefix: str) -> None
     assert out["entries"] == 4  # the engines' hashes are not chunks
 
 
+def test_stats_shows_broken_lookup_promises(redis_url: str, redis_client: redis.Redis,
+                                            key_prefix: str) -> None:
+    n = 1024
+    kv, _ = view("kv_split", torch.bfloat16, n, seed=1)
+    with engine(redis_url, key_prefix, store_async=False, local_cpu=False) as e:
+        e.store(tokens(n), kv)
+        assert e.lookup(tokens(n)) == n
+        third = e.token_db.chunks(tokens(n))[2].key.redis_key(key_prefix)
+        assert redis_client.unlink(third) == 1  # gone between the lookup and the retrieve
+        dst, _ = view("kv_split", torch.bfloat16, n, seed=None)
+        assert int(e.retrieve(tokens(n), dst).sum()) == 512
+        e.flush()
+        out = run_json("stats", "--url", redis_url, "--prefix", key_prefix)
+        human = run("stats", "--url", redis_url, "--prefix", key_prefix)
+    assert out["engines"]["promise_broken_tokens"] == 512
+    assert human.exit_code == 0
+    assert "lookup promises broken: 512 tokens" in human.stdout
+
+
 def test_stats_human_output_is_a_table(redis_url: str, key_prefix: str) -> None:
     fill(redis_url, key_prefix, "org/model-a")
     result = run("stats", "--url", redis_url, "--prefix", key_prefix)

@@ -232,6 +232,32 @@ def test_a_killed_master_makes_its_chunks_misses_and_comes_back(
         assert torch.equal(_read(dst, slots), _read(src, slots))
 
 
+def test_a_partly_failed_write_counts_only_what_landed(
+    cluster: ClusterServers, key_prefix: str
+) -> None:
+    tokens = torch.arange(TOKENS) + 7  # chunks no other test stored
+    src, slots = _kv(7), kvutil.slots(TOKENS, 8)
+    keys = _chunk_keys(key_prefix, tokens)
+    owners = [_owner(cluster, k) for k in keys]
+    victim = next(m for m in cluster.masters if m is not owners[0] and m in owners)
+    lost = sum(1 for o in owners if o is victim)
+    with _engine(cluster.url, key_prefix) as eng:
+        victim.kill()
+        try:
+            # held: the leading chunks that landed (no local tier here)
+            assert eng.store(tokens, PagedKV(src, slots)) == owners.index(victim) * CHUNK
+            remote = eng.stats()["remote"]
+        finally:
+            victim.restart()
+            cluster.wait_ok()
+    assert remote["written_chunks"] == len(keys) - lost
+    assert remote["stored_tokens"] == (len(keys) - lost) * CHUNK
+    assert remote["dropped_chunks"] == lost
+    landed = sum(len(kvutil.chunk_heads(set(_keys_on(m, key_prefix))))
+                 for m in cluster.masters if m is not victim)
+    assert landed == len(keys) - lost
+
+
 def test_a_hung_master_costs_one_timeout(cluster: ClusterServers, key_prefix: str) -> None:
     tokens = torch.arange(TOKENS)
     src, slots = _kv(7), kvutil.slots(TOKENS, 8)

@@ -50,6 +50,7 @@ from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_tier import (
     INFLIGHT_BYTES,
+    Allocator,
     RedisTier,
     chunk_write_command,
     command_key,
@@ -85,13 +86,15 @@ class _Unconnected:
 
 
 def make_remote_tier(
-    config: CacheConfig, layout: ChunkLayout, pool: MemoryPool, metrics: Metrics
+    config: CacheConfig, layout: ChunkLayout, pool: MemoryPool, metrics: Metrics,
+    allocate: Allocator | None = None,
 ) -> RedisTier:
-    """The remote tier the configured URL names: `ClusterRedisTier` for a cluster URL."""
+    """The remote tier the configured URL names: `ClusterRedisTier` for a cluster URL.
+    `allocate` gives the tier its read buffers (`RedisTier`'s parameter of that name)."""
     assert config.remote_url is not None
     if parse_remote_url(config.remote_url).kind == "cluster":
-        return ClusterRedisTier(config, layout, pool, metrics)
-    return RedisTier(config, layout, pool, metrics)
+        return ClusterRedisTier(config, layout, pool, metrics, allocate=allocate)
+    return RedisTier(config, layout, pool, metrics, allocate=allocate)
 
 
 class ClusterRedisTier(RedisTier):
@@ -104,8 +107,10 @@ class ClusterRedisTier(RedisTier):
         pool: MemoryPool,
         metrics: Metrics,
         client: RedisCluster | None = None,
+        allocate: Allocator | None = None,
     ) -> None:
-        super().__init__(config, layout, pool, metrics, client=cast(Any, _Unconnected()))
+        super().__init__(config, layout, pool, metrics, client=cast(Any, _Unconnected()),
+                         allocate=allocate)
         self._cluster: RedisCluster | None = client
         if client is not None:
             self.client = cast(Any, client)
@@ -191,7 +196,8 @@ class ClusterRedisTier(RedisTier):
         results = self._run(commands, "get", receive=(locked, sizes))
         return [None if r is FAILED or isinstance(r, Exception) else r for r in results]
 
-    def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> int:
+    def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> list[bool]:
+        """Per chunk, whether it landed: a node that failed loses only its own chunks."""
         commands: list[Command] = []
         owner: list[int] = []  # the batch entry each command belongs to
         for i, (keys, values) in enumerate(batch):
@@ -209,9 +215,7 @@ class ClusterRedisTier(RedisTier):
         )
         self.metrics.inc("remote.written_chunks", written)
         self.metrics.inc("remote.written_bytes", nbytes)
-        if written < len(batch):
-            self.metrics.inc("remote.dropped_chunks", len(batch) - written)
-        return written
+        return ok
 
     def delete(self, keys: Sequence[CacheEngineKey]) -> int:
         if not keys:

@@ -2,8 +2,13 @@
 
 The tier holds one reference on each `MemoryObj` it keeps; `get` hands the caller a reference
 of its own, so an eviction never frees memory a retrieve is still copying from. Its byte bound
-is the memory pool's: when an allocation fails, the manager evicts from here (`evict_lru`) and
-tries again.
+is the memory pool's: when an allocation (a store's or a Redis read's) finds the pool full, the
+manager asks `evict_for(need)` to free that many bytes, least recently used first.
+
+Only an entry the tier alone holds frees memory when it goes: one that the write-behind queue or
+a read in flight also holds stays (evicting it would free nothing and lose a hit). So
+`evict_for` evicts nothing unless the entries it may evict free the bytes asked for, and then no
+more of them than needed.
 """
 
 from __future__ import annotations
@@ -92,10 +97,39 @@ class LocalCPUTier(StorageTier):
                 return False
             _, obj = self._entries.popitem(last=False)
             self._bytes -= obj.nbytes
-        self._metrics.inc("local.evicted_chunks")
-        self._metrics.inc("local.evicted_bytes", obj.nbytes)
+        self._count_evicted([obj])
         obj.release()
         return True
+
+    def evict_for(self, need: int) -> int:
+        """Evict least recently used entries that the tier alone holds until they free `need`
+        bytes; the bytes freed (>= `need`), or 0, having evicted nothing, when all such entries
+        together would free less.
+
+        The reference counts read under the tier's lock are stable for entries the tier alone
+        holds: nobody else can take a reference to them but through this tier, under this lock.
+        """
+        victims: list[CacheEngineKey] = []
+        freed = 0
+        with self._lock:
+            for key, obj in self._entries.items():  # least recently used first
+                if freed >= need:
+                    break
+                if obj.ref_count == 1:
+                    victims.append(key)
+                    freed += obj.nbytes
+            if freed < need:
+                return 0
+            objs = [self._entries.pop(key) for key in victims]
+            self._bytes -= freed
+        self._count_evicted(objs)
+        for obj in objs:
+            obj.release()
+        return freed
+
+    def _count_evicted(self, objs: Sequence[MemoryObj]) -> None:
+        self._metrics.inc("local.evicted_chunks", len(objs))
+        self._metrics.inc("local.evicted_bytes", sum(o.nbytes for o in objs))
 
     def clear(self) -> None:
         with self._lock:

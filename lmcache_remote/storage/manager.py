@@ -9,9 +9,26 @@ What it promises the engine:
   Redis: one round trip to ask, so nothing Redis has is sent again).
 - `write`: local tier now; Redis through the write-behind queue (`store_async`) or at once.
   The queue is bounded in bytes; when full, new writes are dropped and counted, never waited
-  for. `flush()` drains it within a bounded time.
-- `allocate`: a chunk buffer from the pool, evicting least recently used local chunks to make
-  room; None when even that cannot.
+  for. `flush()` drains it within a bounded time. A chunk already queued or being written is
+  not queued (or written) again: `remote.duplicate_writes_skipped` counts those.
+- `allocate`: a chunk buffer from the one memory budget (below), for a store's copy or a Redis
+  read alike; None when the budget has no room even after eviction.
+
+The memory budget (`max_local_cpu_size`, one `MemoryPool`) is shared by three holders:
+
+- the write-behind queue: at most `store_queue_size`, and never more than half the budget
+  (`queue_bytes`), so at least the other half is always left to reads and the local tier;
+- buffers of reads in flight (a retrieve's chunks until they are copied into the engine's KV);
+- the local tier: whatever the other two leave. It never refuses a load: an allocation that
+  finds the pool full evicts local entries, least recently used first, exactly as many as the
+  allocation needs (`LocalCPUTier.evict_for`), and only entries the tier alone holds (evicting
+  one the queue or a read also holds frees nothing). When even that cannot make room, because
+  the queue and reads in flight hold the rest, nothing is evicted, the load or store is cut
+  short there, counted (`memory.no_room_chunks`) and logged (WARNING, rate-limited).
+
+So `lookup` can promise what `fetch` delivers: it never reports more leading chunks than fit in
+the read share (`read_share_bytes`: the budget less the queue's half), and a full local tier
+never stops a read.
 
 Remote failures never leave this class as exceptions: they become misses and dropped writes,
 counted in `remote.errors`, `remote.dropped_chunks` and logged (rate-limited); permission
@@ -41,6 +58,9 @@ from lmcache_remote.storage.redis_tier import RedisTier
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+#: An allocation that finds the pool full evicts and tries again at most this often (another
+#: thread may take the room an eviction made).
+_ALLOCATE_TRIES = 3
 
 
 @dataclasses.dataclass
@@ -56,13 +76,41 @@ class StorePlan:
         return self.need_local[i] or self.need_remote[i]
 
 
-class WriteBehindQueue:
-    """A bounded (bytes) queue of chunk writes, drained into Redis by one daemon thread."""
+class PendingWrites:
+    """The chunk keys queued for Redis or being written now, so none is written twice."""
 
-    def __init__(self, remote: RedisTier, max_bytes: int, metrics: Metrics) -> None:
+    def __init__(self) -> None:
+        self._keys: set[CacheEngineKey] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """Per key, True when this caller now owns its write; False when one is pending."""
+        with self._lock:
+            out = [k not in self._keys for k in keys]
+            self._keys.update(keys)
+        return out
+
+    def done(self, keys: Sequence[CacheEngineKey]) -> None:
+        """The writes of `keys` landed or were dropped: the next store may write them again."""
+        with self._lock:
+            self._keys.difference_update(keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class WriteBehindQueue:
+    """A bounded (bytes) queue of chunk writes, drained into Redis by one daemon thread.
+
+    Every key it is handed must have been claimed in `pending`; the queue marks it done once its
+    write landed or was dropped."""
+
+    def __init__(self, remote: RedisTier, max_bytes: int, metrics: Metrics,
+                 pending: PendingWrites) -> None:
         self._remote = remote
         self._max_bytes = max_bytes
         self._metrics = metrics
+        self._pending = pending
         self._items: deque[tuple[list[CacheEngineKey], list[MemoryObj], int]] = deque()
         self._bytes = 0
         self._busy = False
@@ -76,18 +124,32 @@ class WriteBehindQueue:
     def queued_bytes(self) -> int:
         return self._bytes
 
-    def submit(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> bool:
-        """Queue the writes (taking references); False (dropped, counted) when full or closed."""
-        nbytes = sum(o.nbytes for o in objs)
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    def submit(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> int:
+        """Queue the leading writes that fit in the bound (taking references); how many were
+        queued. The others are dropped, counted, and their keys marked done."""
         with self._cond:
-            if self._closed or self._bytes + nbytes > self._max_bytes:
-                self._metrics.inc("remote.dropped_chunks", len(keys))
-                self._metrics.inc("remote.queue_full_drops", len(keys))
-                return False
-            self._items.append((keys, [o.retain() for o in objs], nbytes))
-            self._bytes += nbytes
-            self._cond.notify_all()
-        return True
+            room = 0 if self._closed else self._max_bytes - self._bytes
+            fit = 0
+            for obj in objs:
+                if obj.nbytes > room:
+                    break
+                room -= obj.nbytes
+                fit += 1
+            if fit:
+                taken = objs[:fit]
+                nbytes = sum(o.nbytes for o in taken)
+                self._items.append((keys[:fit], [o.retain() for o in taken], nbytes))
+                self._bytes += nbytes
+                self._cond.notify_all()
+        if fit < len(keys):
+            self._metrics.inc("remote.dropped_chunks", len(keys) - fit)
+            self._metrics.inc("remote.queue_full_drops", len(keys) - fit)
+            self._pending.done(keys[fit:])
+        return fit
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write reached Redis or was dropped; False on timeout."""
@@ -123,6 +185,7 @@ class WriteBehindQueue:
             try:
                 self._write(keys, objs)
             finally:
+                self._pending.done(keys)
                 for obj in objs:
                     obj.release()
                 with self._cond:
@@ -149,12 +212,13 @@ class StorageManager:
         self.pool = MemoryPool(config.max_local_cpu_bytes)
         self.local = LocalCPUTier(metrics) if config.local_cpu else None
         self.remote = (
-            make_remote_tier(config, layout, self.pool, metrics)
+            make_remote_tier(config, layout, self.pool, metrics, allocate=self.allocate)
             if config.remote_url is not None
             else None
         )
+        self.pending = PendingWrites()
         self.queue = (
-            WriteBehindQueue(self.remote, config.store_queue_bytes, metrics)
+            WriteBehindQueue(self.remote, self.queue_bytes, metrics, self.pending)
             if self.remote is not None and config.store_async
             else None
         )
@@ -162,12 +226,36 @@ class StorageManager:
 
     # -- memory -------------------------------------------------------------------------------
 
+    @property
+    def queue_bytes(self) -> int:
+        """The write-behind queue's share of the budget: `store_queue_size`, at most half."""
+        return min(self.config.store_queue_bytes, self.pool.max_bytes // 2)
+
+    @property
+    def read_share_bytes(self) -> int:
+        """What reads in flight can always get: the budget less the queue's share."""
+        return self.pool.max_bytes - (self.queue.max_bytes if self.queue is not None else 0)
+
     def allocate(self, num_tokens: int) -> MemoryObj | None:
-        shape = self.layout.shape(num_tokens)
-        while True:
+        """A chunk buffer of `num_tokens` tokens, evicting local entries if the pool is full
+        (no more than needed, see the module doc); None, counted and logged, when the queue and
+        reads in flight hold the room."""
+        shape, size = self.layout.shape(num_tokens), self.layout.nbytes(num_tokens)
+        for _ in range(_ALLOCATE_TRIES):
             obj = self.pool.allocate(shape, self.layout.dtype)
-            if obj is not None or self.local is None or not self.local.evict_lru():
+            if obj is not None:
                 return obj
+            need = self.pool.shortfall(size)
+            if need > 0 and (self.local is None or self.local.evict_for(need) == 0):
+                break
+        self.metrics.inc("memory.no_room_chunks")
+        self._log.warning(
+            "no-room", "no memory for a %d-byte chunk: a load or store is cut short here "
+            "(budget %d bytes: %d in use, %d held by the local tier, %d by the write-behind "
+            "queue; the rest by reads in flight)", size, self.pool.max_bytes,
+            self.pool.used_bytes, self.local.nbytes if self.local is not None else 0,
+            self.queue.queued_bytes if self.queue is not None else 0)
+        return None
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -192,11 +280,29 @@ class StorageManager:
             present[first_missing:] = [p or next(found, False) for p in present[first_missing:]]
         else:
             local_present = present
-        hits = next((i for i, p in enumerate(present) if not p), len(specs))
+        hits = self._within_read_share(
+            specs, next((i for i, p in enumerate(present) if not p), len(specs)))
         for spec, is_local in zip(specs[:hits], local_present, strict=False):
             tier = "local" if is_local else "remote"
             self.metrics.inc(f"{tier}.lookup_hit_tokens", spec.num_tokens)
         return hits
+
+    def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
+        """`hits`, or fewer: the leading chunks one fetch can hold at once (`read_share_bytes`);
+        the tokens left out are counted in `engine.lookup_capped_tokens`."""
+        room, count = self.read_share_bytes, 0
+        for spec in specs[:hits]:
+            room -= self.layout.nbytes(spec.num_tokens)
+            if room < 0:
+                self.metrics.inc("engine.lookup_capped_tokens", specs[hits - 1].end - spec.start)
+                self._log.warning(
+                    "lookup-cap", "a lookup found %d tokens but one retrieve can hold only %d "
+                    "of them in max_local_cpu_size (less the write-behind queue's share); "
+                    "raise max_local_cpu_size", specs[hits - 1].end - specs[0].start,
+                    spec.start - specs[0].start)
+                break
+            count += 1
+        return count
 
     def fetch(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
         """The leading run of present, valid chunks; the caller releases each."""
@@ -249,11 +355,12 @@ class StorageManager:
     def write(
         self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj],
         to_local: Sequence[bool], to_remote: Sequence[bool],
-    ) -> bool:
+    ) -> list[bool]:
         """Store chunks where asked: local at once, Redis queued (or at once if synchronous).
 
-        Returns whether the Redis writes were accepted (queued or written); False when they
-        were dropped (queue full, Redis failing).
+        Returns, per chunk, whether its Redis write was accepted: queued, written, or already
+        pending from another store; False where it was dropped (queue full, Redis failing) or
+        not asked for.
         """
         if self.local is not None:
             picked = [(k, o) for k, o, w in zip(keys, objs, to_local, strict=True) if w]
@@ -262,13 +369,30 @@ class StorageManager:
                 self.metrics.inc("local.stored_chunks", stored)
                 self.metrics.inc("local.stored_tokens", sum(_num_tokens(o) for _, o in picked))
                 self.metrics.inc("local.stored_bytes", sum(o.nbytes for _, o in picked))
-        remote = [(k, o) for k, o, w in zip(keys, objs, to_remote, strict=True) if w]
-        if not remote or self.remote is None:
-            return True
-        rkeys, robjs = [k for k, _ in remote], [o for _, o in remote]
+        accepted = [False] * len(keys)
+        if self.remote is None:
+            return accepted
+        wanted = [i for i, w in enumerate(to_remote) if w]
+        claimed = self.pending.claim([keys[i] for i in wanted])
+        mine = [i for i, c in zip(wanted, claimed, strict=True) if c]
+        if len(mine) < len(wanted):
+            self.metrics.inc("remote.duplicate_writes_skipped", len(wanted) - len(mine))
+            for i, c in zip(wanted, claimed, strict=True):
+                accepted[i] = not c  # already pending: it will land (or be dropped) once
+        if not mine:
+            return accepted
+        rkeys, robjs = [keys[i] for i in mine], [objs[i] for i in mine]
         if self.queue is not None:
-            return self.queue.submit(rkeys, robjs)
-        return put_remote(self.remote, self.metrics, self._log, rkeys, robjs)
+            queued = self.queue.submit(rkeys, robjs)
+            landed = [n < queued for n in range(len(mine))]
+        else:
+            try:
+                landed = put_remote(self.remote, self.metrics, self._log, rkeys, robjs)
+            finally:
+                self.pending.done(rkeys)
+        for i, ok in zip(mine, landed, strict=True):
+            accepted[i] = ok
+        return accepted
 
     def check_remote(self) -> None:
         """`storage.access.check_access` on the configured Redis (nothing without one); on
@@ -330,17 +454,21 @@ def note_remote_failure(metrics: Metrics, log: RateLimitedLogger, what: str, exc
 
 
 def put_remote(remote: RedisTier, metrics: Metrics, log: RateLimitedLogger,
-               keys: list[CacheEngineKey], objs: list[MemoryObj]) -> bool:
-    """Write chunks to Redis now, timed and counted; a failure is a counted, logged drop."""
+               keys: list[CacheEngineKey], objs: list[MemoryObj]) -> list[bool]:
+    """Write chunks to Redis now, timed and counted; per chunk, whether it landed. A failure
+    is a counted, logged drop."""
     try:
-        _timed(metrics, "remote.put_seconds", remote.put, keys, objs)
+        landed = _timed(metrics, "remote.put_seconds", remote.put_each, keys, objs)
     except BackendError as exc:
         metrics.inc("remote.dropped_chunks", len(keys))
         note_remote_failure(metrics, log, "write", exc, "dropped %d chunk writes: %s",
                             len(keys), exc)
-        return False
-    metrics.inc("remote.stored_tokens", sum(_num_tokens(o) for o in objs))
-    return True
+        return [False] * len(keys)
+    if not all(landed):
+        metrics.inc("remote.dropped_chunks", landed.count(False))
+    metrics.inc("remote.stored_tokens",
+                sum(_num_tokens(o) for o, ok in zip(objs, landed, strict=True) if ok))
+    return landed
 
 
 def _timed(metrics: Metrics, name: str, fn: Callable[..., T], *args: Any) -> T:

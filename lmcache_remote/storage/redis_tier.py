@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.errors import CorruptEntryError
+from lmcache_remote.errors import BackendError, CorruptEntryError
 from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
@@ -56,6 +56,8 @@ _WINDOW_BYTES = 64 * 1024 * 1024
 #: Redis prepares the next reply while this side reads one, and never buffers a whole window.
 INFLIGHT_BYTES = 8 * 1024 * 1024
 _KEY_CACHE_SIZE = 65536  # chunks whose keys are kept built (a few MiB at most)
+#: Gives a read its chunk buffer of so many tokens, or None when there is no room.
+Allocator = Callable[[int], MemoryObj | None]
 
 
 #: Writes every part of a chunk with the same expiry in one atomic step (a script runs whole).
@@ -106,7 +108,11 @@ def _nbytes(value: Any) -> int:
 
 
 class RedisTier(StorageTier):
-    """The remote tier over one Redis/Valkey server. Thread-safe (redis-py's pool is)."""
+    """The remote tier over one Redis/Valkey server. Thread-safe (redis-py's pool is).
+
+    Read buffers come from `allocate(num_tokens)`: the storage manager's, which evicts local
+    entries to make room in the shared budget; by default straight from `pool`. A read that
+    gets None stops there (`remote.pool_full`)."""
 
     name = "remote"
 
@@ -117,11 +123,14 @@ class RedisTier(StorageTier):
         pool: MemoryPool,
         metrics: Metrics,
         client: redis.Redis | None = None,
+        allocate: Allocator | None = None,
     ) -> None:
         self.config = config
         self.prefix = config.key_prefix
         self.layout = layout
         self.pool = pool
+        self.allocate: Allocator = allocate or (
+            lambda n: pool.allocate(layout.shape(n), layout.dtype))
         self.metrics = metrics
         threads = config.serde_threads or (os.cpu_count() or 1)
         self.serde = Serde(config.serde, config.remote_part_size, threads, fit_size_classes=True)
@@ -206,26 +215,41 @@ class RedisTier(StorageTier):
             raise
 
     def put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> int:
+        return sum(self.put_each(keys, objs))
+
+    def put_each(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> list[bool]:
+        """Write the chunks (one atomic command each, in windows); per chunk, whether it landed.
+
+        Raises `BackendError` when nothing landed; a failure after earlier windows landed is
+        counted (`remote.errors`), logged, and leaves the rest False."""
+        landed: list[bool] = []
         batch: list[tuple[list[str], list[Any]]] = []
         size = 0
-        written = 0
-        for key, obj in zip(keys, objs, strict=True):
-            num_tokens = obj.tensor.shape[2]
-            values: list[Any]
-            if self.wire is not None:  # value 0 as (header, part 0): no copy of part 0
-                header, parts = self.serde.encode_parts(obj.tensor, key.hash_bytes, num_tokens)
-                values = [(header, parts[0]), *parts[1:]]
-                size += len(header) + sum(len(memoryview(v)) for v in parts)
-            else:
-                values = list(self.serde.encode(obj.tensor, key.hash_bytes, num_tokens))
-                size += sum(len(memoryview(v)) for v in values)
-            batch.append((key.part_keys(self.prefix, len(values)), values))
-            if size >= _WINDOW_BYTES:
-                written += self._write(batch)
-                batch, size = [], 0
-        if batch:
-            written += self._write(batch)
-        return written
+        try:
+            for key, obj in zip(keys, objs, strict=True):
+                num_tokens = obj.tensor.shape[2]
+                values: list[Any]
+                if self.wire is not None:  # value 0 as (header, part 0): no copy of part 0
+                    header, parts = self.serde.encode_parts(obj.tensor, key.hash_bytes,
+                                                            num_tokens)
+                    values = [(header, parts[0]), *parts[1:]]
+                    size += len(header) + sum(len(memoryview(v)) for v in parts)
+                else:
+                    values = list(self.serde.encode(obj.tensor, key.hash_bytes, num_tokens))
+                    size += sum(len(memoryview(v)) for v in values)
+                batch.append((key.part_keys(self.prefix, len(values)), values))
+                if size >= _WINDOW_BYTES:
+                    landed += self._write(batch)
+                    batch, size = [], 0
+            if batch:
+                landed += self._write(batch)
+        except BackendError as exc:
+            if not any(landed):
+                raise
+            self.metrics.inc("remote.errors")
+            self._log.warning("write-window", "a write window failed after %d chunks landed: "
+                              "%s", sum(landed), exc)
+        return landed + [False] * (len(keys) - len(landed))
 
     def delete(self, keys: Sequence[CacheEngineKey]) -> int:
         if not keys:
@@ -279,7 +303,9 @@ class RedisTier(StorageTier):
 
         return _regroup(self.caller.call(op), key_lists)
 
-    def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> int:
+    def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> list[bool]:
+        """Write one window of chunks; per chunk, whether it landed (here all or none: a
+        failure raises)."""
         def op() -> list[Any]:
             if self.wire is not None:
                 return self.wire.execute(self._write_commands(batch))
@@ -292,7 +318,7 @@ class RedisTier(StorageTier):
         nbytes = sum(_nbytes(v) for _, values in batch for v in values)
         self.metrics.inc("remote.written_chunks", len(batch))
         self.metrics.inc("remote.written_bytes", nbytes)
-        return len(batch)
+        return [True] * len(batch)
 
     def _write_commands(self, batch: Sequence[tuple[list[str], list[Any]]]
                         ) -> list[tuple[Any, ...]]:
@@ -312,7 +338,7 @@ class RedisTier(StorageTier):
         """The leading run of good chunks of one window, and whether the whole window was."""
         objs: list[MemoryObj] = []
         for spec in window:
-            obj = self.pool.allocate(self.layout.shape(spec.num_tokens), self.layout.dtype)
+            obj = self.allocate(spec.num_tokens)
             if obj is None:
                 self.metrics.inc("remote.pool_full")
                 break
@@ -422,7 +448,7 @@ class RedisTier(StorageTier):
         try:
             header = self._read_header(spec, values[0])
             values = self._all_parts(spec, header, values)
-            obj = self.pool.allocate(self.layout.shape(spec.num_tokens), self.layout.dtype)
+            obj = self.allocate(spec.num_tokens)
             if obj is None:
                 self.metrics.inc("remote.pool_full")
                 return None
