@@ -13,6 +13,8 @@ A run passes only when every criterion holds (issue 11, point 5):
   never fills fails the criterion (the run was too short to show anything);
 - `rss`: every engine's peak RSS (VmHWM, reset when it became ready) within its baseline +
   `max_local_cpu_size` + `rss_slack_mib` (the documented constant);
+- `broken_counted`: per engine, the tokens the soak saw retrieve fall short of lookup equal
+  the engine's own `engine.promise_broken_tokens` (what breaks the promise is counted);
 - `engines`: every engine reported each window, finished its flush and exited 0, and every
   fault was applied as scheduled.
 """
@@ -97,6 +99,13 @@ def engine_summary(result: SoakResult, run: EngineRun) -> dict[str, Any]:
         "remote_lookup_hit_tokens": _counter(run, "remote.lookup_hit_tokens"),
         "local_evicted_chunks": _counter(run, "local.evicted_chunks"),
         "remote_pool_full": _counter(run, "remote.pool_full"),
+        "broken_tokens": total_lookup - total_retrieved,
+        "promise_broken_tokens": _counter(run, "engine.promise_broken_tokens"),
+        "lookup_capped_tokens": _counter(run, "engine.lookup_capped_tokens"),
+        "no_room_chunks": _counter(run, "memory.no_room_chunks"),
+        "remote_miss_chunks": _counter(run, "remote.miss_chunks"),
+        "remote_incomplete_chunks": _counter(run, "remote.incomplete_chunks"),
+        "remote_corrupt_chunks": _counter(run, "remote.corrupt_chunks"),
         "wrong_tokens": _sum(run, "wrong_tokens"), "stray_tokens": _sum(run, "stray_tokens"),
         "bad_masks": _sum(run, "bad_masks"), "warnings": _sum(run, "warnings"),
         "exceptions": _sum(run, "exceptions") + len((run.ready or {}).get(
@@ -138,6 +147,11 @@ def judge(result: SoakResult) -> tuple[list[Criterion], dict[str, dict[str, Any]
     out.append(Criterion("rss", all(e["peak_rss"] <= e["rss_limit"] for e in per.values()),
                          f"peak/limit (baseline + {s.local_mib:g} + {s.rss_slack_mib:g} MiB): "
                          f"{over}"))
+    counted = {n: f"{e['broken_tokens']} seen / {e['promise_broken_tokens']} counted"
+               for n, e in per.items()}
+    out.append(Criterion("broken_counted", all(
+        e["broken_tokens"] == e["promise_broken_tokens"] for e in per.values()) and bool(per),
+        f"tokens retrieve fell short of lookup: {counted}"))
     out.append(_engines_criterion(result, per))
     return out, per
 
@@ -218,7 +232,10 @@ def summary_lines(result: SoakResult, criteria: list[Criterion],
             f"{_fmt(e['judged_ratio'])} over {e['judged_windows']} windows (in fault time "
             f"{_fmt(e['fault_time_ratio'])}); hits local "
             f"{e['local_hit_tokens']} remote {e['remote_hit_tokens']}; evicted "
-            f"{e['local_evicted_chunks']}, pool_full {e['remote_pool_full']}; warnings logged "
+            f"{e['local_evicted_chunks']}, pool_full {e['remote_pool_full']}, no_room "
+            f"{e['no_room_chunks']}, lookup capped {e['lookup_capped_tokens']} tokens; Redis "
+            f"misses {e['remote_miss_chunks']}, incomplete {e['remote_incomplete_chunks']}, "
+            f"corrupt {e['remote_corrupt_chunks']}; warnings logged "
             f"{e['warnings']}; slowest {slow}; "
             f"RSS peak {e['peak_rss'] / MIB:.0f} MiB (baseline {e['baseline_rss'] / MIB:.0f})")
     lines.append("")

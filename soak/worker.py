@@ -41,6 +41,8 @@ COUNTERS = (
     "remote.lookup_hit_tokens", "local.evicted_chunks", "remote.pool_full", "remote.errors",
     "remote.dropped_chunks", "remote.written_chunks", "remote.corrupt_chunks",
     "remote.incomplete_chunks", "remote.miss_chunks", "engine.store_out_of_memory_chunks",
+    "engine.promise_broken_tokens", "engine.lookup_capped_tokens", "memory.no_room_chunks",
+    "remote.duplicate_writes_skipped",
 )
 GAUGES = ("local.entries", "local.bytes", "pool.used_bytes", "pool.held_bytes",
           "remote.queued_bytes", "remote.healthy")

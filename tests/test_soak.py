@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -120,13 +119,17 @@ def test_judge_passes_a_clean_run_and_fails_each_broken_promise() -> None:
     assert not _verdict(clean[:2] + [_window(2, slowest=slow)] + clean[3:])["slowest_call"]
     short = [_window(i, retrieved_tokens=980) for i in range(6)]
     assert not _verdict(short)["retrieved_lookup"]
+    assert not _verdict(short)["broken_counted"]  # 120 tokens short, none counted
+    counted = [dict(w, counters=dict(w["counters"], **{"engine.promise_broken_tokens": 20}))
+               for w in short]
+    assert _verdict(counted)["broken_counted"]
     # before the tier filled (window 1) a short retrieve is not judged; after it, it is
     assert _verdict([_window(0, retrieved_tokens=0)] + clean[1:])["retrieved_lookup"]
     assert not _verdict(clean[:3] + [_window(3, retrieved_tokens=0)] + clean[4:])[
         "retrieved_lookup"]
     never = [dict(_window(i), counters={"local.hit_tokens": 1000}) for i in range(6)]
     assert not _verdict(never)["retrieved_lookup"]
-    assert _verdict(short, mode="faults")["retrieved_lookup"]  # reported only
+    assert _verdict(counted, mode="faults")["retrieved_lookup"]  # reported only
     fat = [_window(i, hwm=(280 + 8 + 49) << 20) for i in range(6)]
     assert not _verdict(fat)["rss"]
 
