@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -201,6 +202,22 @@ class Worker:
             "store", lambda: self.engine.store(tokens, kv, mask_t, cache_salt=salt))
         w.stored_tokens += int(stored or 0)
 
+    def warm_up(self) -> dict[str, Any]:
+        """Two requests under a salt of their own (imports, threads, connections, the first
+        buffers), then every counter starts afresh; returns the `ready` document."""
+        for _ in range(2):
+            self.request(salt=f"soak-warm-up-{self.spec['name']}")
+        self.engine.flush()
+        self.window = Window(0)
+        self.warnings.count = 0
+        pool = self.engine.storage.pool
+        self._last = _flatten(self.engine.metrics.snapshot())
+        self._last["pool.failed_allocations"] = float(pool.failed_allocations)
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS now: the peak is measured from here on
+        return {"type": "ready", "pid": os.getpid(), "baseline_rss": rss_bytes() - pool.held_bytes,
+                "warm_up_exceptions": self.exception_log}
+
     # -- windows -------------------------------------------------------------------------
 
     def close_window(self) -> None:
@@ -264,19 +281,7 @@ def main(argv: list[str]) -> int:
     worker = Worker(spec)
     worker_box.append(worker)
     try:
-        for _ in range(2):  # warm-up: imports, threads, connections, first buffers
-            worker.request(salt=f"soak-warm-up-{spec['name']}")
-        worker.engine.flush()
-        worker.window = Window(0)
-        worker.warnings.count = 0
-        worker._last = _flatten(worker.engine.metrics.snapshot())
-        worker._last["pool.failed_allocations"] = float(worker.engine.storage.pool
-                                                        .failed_allocations)
-        pool = worker.engine.storage.pool.held_bytes
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS now: the peak is measured from here on
-        emit({"type": "ready", "pid": __import__("os").getpid(),
-              "baseline_rss": rss_bytes() - pool, "warm_up_exceptions": worker.exception_log})
+        emit(worker.warm_up())
         go: list[tuple[float, float]] = []
         started = threading.Event()
         threading.Thread(target=_read_commands, args=(worker, go, started), daemon=True).start()
