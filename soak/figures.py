@@ -31,7 +31,8 @@ def engine_rows(doc: dict[str, Any]) -> list[str]:
             f"{'n/a' if judged is None else f'{judged:.4f}'} (from w{e['fill_window']}) | "
             f"{e['local_hit_tokens']} / {e['remote_hit_tokens']} | "
             f"{e['wrong_tokens'] + e['stray_tokens']} | {e['exceptions']} | "
-            f"{e['broken_tokens']} ({e.get('promise_broken_tokens', 0)}) | "
+            f"{e['lookup_tokens'] - e['retrieved_tokens']} "
+            f"({e.get('promise_broken_tokens', '-')}) | "
             f"{slow[1]:.2f} s ({slow[0]}) | "
             f"{(e['peak_rss'] - e['baseline_rss']) / MIB:.1f} MiB |")
     return rows
@@ -42,7 +43,7 @@ def minute_rows(doc: dict[str, Any]) -> list[str]:
     per_minute = max(1, int(round(60 / window)))
     names = list(doc["engines"])
     head = " | ".join(f"{n} ret/look (remote hits)" for n in names)
-    rows = [f"| minute | {head} | Redis evicted keys | faults |",
+    rows = [f"| minute | {head} | Redis evicted keys | faults applied |",
             "| ---: | " + " | ".join("---:" for _ in names) + " | ---: | --- |"]
     count = max(len(e["window_reports"]) for e in doc["engines"].values())
     evicted = _evicted(doc["redis"]["windows"])
@@ -57,8 +58,7 @@ def minute_rows(doc: dict[str, Any]) -> list[str]:
             cells.append(f"{_ratio(got, look)} ({remote})")
         ev = sum(evicted.get(k, 0) for k in ks)
         faults = [f["fault"] for f in doc["faults"] if m * 60 <= f["at"] < (m + 1) * 60]
-        rows.append(f"| {m + 1} | " + " | ".join(cells) + f" | {ev} | "
-                    f"{', '.join(faults) or '-'} |")
+        rows.append(f"| {m + 1} | " + " | ".join(cells) + f" | {ev} | {len(faults)} |")
     return rows
 
 
