@@ -55,7 +55,10 @@ _WINDOW_BYTES = 64 * 1024 * 1024
 #: Reply bytes asked for and not yet read on the fast read path: about two full parts, so
 #: Redis prepares the next reply while this side reads one, and never buffers a whole window.
 INFLIGHT_BYTES = 8 * 1024 * 1024
-_KEY_CACHE_SIZE = 65536  # chunks whose keys are kept built (a few MiB at most)
+#: Chunks whose keys (and packed EXISTS) are kept built: the hot prefixes of a million tokens.
+#: Each costs about 1-2 KiB outside the memory budget (more parts, longer model names cost
+#: more), so this bounds the caches to a few MiB; a full cache is cleared and rebuilt on use.
+_KEY_CACHE_SIZE = 4096
 #: Gives a read its chunk buffer of so many tokens, or None when there is no room.
 Allocator = Callable[[int], MemoryObj | None]
 
