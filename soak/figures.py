@@ -43,22 +43,29 @@ def minute_rows(doc: dict[str, Any]) -> list[str]:
     per_minute = max(1, int(round(60 / window)))
     names = list(doc["engines"])
     head = " | ".join(f"{n} ret/look (remote hits)" for n in names)
-    rows = [f"| minute | {head} | Redis evicted keys | faults applied |",
-            "| ---: | " + " | ".join("---:" for _ in names) + " | ---: | --- |"]
+    rows = [f"| minute | {head} | Redis evicted keys | faults applied | RSS - baseline, MiB "
+            "(highest engine) |",
+            "| ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: |"]
     count = max(len(e["window_reports"]) for e in doc["engines"].values())
     evicted = _evicted(doc["redis"]["windows"])
     for m in range(-(-count // per_minute)):
         ks = range(m * per_minute, (m + 1) * per_minute)
+        if not any(w["requests"] for e in doc["engines"].values()
+                   for w in e["window_reports"] if w["index"] in ks):
+            continue  # the closing window after the last request (the final flush)
         cells = []
+        rise = 0.0
         for n in names:
             ws = [w for w in doc["engines"][n]["window_reports"] if w["index"] in ks]
             look = sum(w["lookup_tokens"] for w in ws)
             got = sum(w["retrieved_tokens"] for w in ws)
             remote = sum(int(w["counters"].get("remote.hit_tokens", 0)) for w in ws)
             cells.append(f"{_ratio(got, look)} ({remote})")
+            base = doc["engines"][n]["baseline_rss"]
+            rise = max([rise] + [(w["rss"] - base) / MIB for w in ws])
         ev = sum(evicted.get(k, 0) for k in ks)
         faults = [f["fault"] for f in doc["faults"] if m * 60 <= f["at"] < (m + 1) * 60]
-        rows.append(f"| {m + 1} | " + " | ".join(cells) + f" | {ev} | {len(faults)} |")
+        rows.append(f"| {m + 1} | " + " | ".join(cells) + f" | {ev} | {len(faults)} | {rise:.1f} |")
     return rows
 
 
