@@ -6,7 +6,7 @@ engine's RSS grew by about 2 MiB a minute in the 10-minute soak runs, in every r
 `RedisTier` kept, per chunk it ever named, its part keys and its packed EXISTS command
 (`_key_cache`, `_exists_cache`), about 1.3 KiB per chunk, and cleared them only at 65,536
 chunks: 85 MiB per engine, where its own comment promised "a few MiB at most". The soak's RSS
-criterion (budget + 48 MiB) would have failed after some 20 minutes. The caches are now
+criterion (budget + 48 MiB) would have failed after some 15-20 minutes. The caches are now
 bounded to 4,096 chunks; this test looks up 65,536 distinct chunks and checks what the engine
 holds afterwards in Python objects (tracemalloc: the caches are plain Python objects).
 """
