@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from soak.report import evicted_per_window
+
 MIB = 1 << 20
 
 
@@ -47,7 +49,7 @@ def minute_rows(doc: dict[str, Any]) -> list[str]:
             "(highest engine) |",
             "| ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: |"]
     count = max(len(e["window_reports"]) for e in doc["engines"].values())
-    evicted = _evicted(doc["redis"]["windows"])
+    evicted = evicted_per_window(doc["redis"]["windows"])
     for m in range(-(-count // per_minute)):
         ks = range(m * per_minute, (m + 1) * per_minute)
         if not any(w["requests"] for e in doc["engines"].values()
@@ -67,17 +69,6 @@ def minute_rows(doc: dict[str, Any]) -> list[str]:
         faults = [f["fault"] for f in doc["faults"] if m * 60 <= f["at"] < (m + 1) * 60]
         rows.append(f"| {m + 1} | " + " | ".join(cells) + f" | {ev} | {len(faults)} | {rise:.1f} |")
     return rows
-
-
-def _evicted(rows: list[dict[str, Any]]) -> dict[int, int]:
-    out, last = {}, 0
-    for row in rows:
-        now = row.get("evicted_keys")
-        if now is None:
-            continue
-        out[row["index"]] = now - last if now >= last else now
-        last = now
-    return out
 
 
 def main(argv: list[str]) -> int:

@@ -187,7 +187,7 @@ def window_table(result: SoakResult) -> list[str]:
     lines.append(f"{'win':>3} {'t':>5}  {names}  {'redis MiB':>9} {'evicted':>8}  faults")
     lines.append(f"{'':>3} {'':>5}  " + "  ".join(
         f"{'ret/look local/remote hit':>24}" for _ in result.engines))
-    evicted = _evicted_per_window(result.redis_windows)
+    evicted = evicted_per_window(result.redis_windows)
     for k in range(count):
         cells = []
         for r in result.engines:
@@ -209,7 +209,7 @@ def window_table(result: SoakResult) -> list[str]:
     return lines
 
 
-def _evicted_per_window(rows: list[dict[str, Any]]) -> dict[int, int]:
+def evicted_per_window(rows: list[dict[str, Any]]) -> dict[int, int]:
     """Keys Redis evicted in each window (INFO's counter restarts with the server)."""
     out, last = {}, 0
     for row in rows:
