@@ -149,12 +149,19 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> Soak
         result.error = f"{type(exc).__name__}: {exc}"
         log(f"soak failed to run: {result.error}")
     finally:
-        if injector is not None:
-            injector.stop()
-            result.faults = injector.events
-        _stop_engines(engines)
-        server.stop()
-        signal.signal(signal.SIGTERM, old_term)
+        # the clean-up is bounded (the grace periods and timeouts): a second Ctrl-C or SIGTERM must
+        # not cut it short and leave processes behind
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if injector is not None:
+                injector.stop()
+                result.faults = injector.events
+            _stop_engines(engines)
+            server.stop()
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
     return result
 
 
