@@ -37,6 +37,7 @@ ENV_CONFIG_FILE = "LMCR_CONFIG"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes")
 _CERT_REQS = ("required", "optional", "none")
+_HOST_RE = re.compile(r"^(?:[A-Za-z0-9.\-]{1,253}|[0-9A-Fa-f:.]{2,45})$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +71,9 @@ class CacheConfig:
     store_queue_size: float = 1.0
     """GiB of chunks the write-behind queue may hold; past it new writes are dropped and counted."""
     remote_part_size: int = 4 * 1024 * 1024 - 64 * 1024
-    """The most raw bytes per Redis value: each chunk is cut into parts of at most this, sized
-    to fill Redis's allocation size classes (`lmcache_remote.sizing`)."""
+    """The most raw bytes per Redis value, 4096 to 512 MiB: each chunk is cut into parts of at
+    most this, sized to fill Redis's allocation size classes (`lmcache_remote.sizing`; the
+    part plan in docs/value-format.md)."""
     serde_threads: int = 0
     """Threads for compression; 0 = one per CPU core."""
     ssl_ca_certs: str | None = None
@@ -89,7 +91,10 @@ class CacheConfig:
     """Seconds between publishes of the engine's counters into Redis (`lmcache-remote stats`
     shows the fleet's hit rate from them); None = never publish."""
     metrics_port: int | None = None
-    """Serve Prometheus metrics over HTTP on this port (all interfaces); None = off."""
+    """Serve Prometheus metrics over HTTP on this port; None = off."""
+    metrics_host: str = "127.0.0.1"
+    """The address the metrics endpoint listens on: loopback by default, so only this host can
+    scrape it; `0.0.0.0` (or one interface's address) exposes it to the network."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -128,6 +133,9 @@ def _validate(cfg: CacheConfig) -> None:
     _positive(cfg, "stats_publish_interval")
     if cfg.metrics_port is not None and not 1 <= cfg.metrics_port <= 65535:
         raise ConfigError("metrics_port", f"must be a port in 1..65535, got {cfg.metrics_port}")
+    if not _HOST_RE.match(cfg.metrics_host):
+        raise ConfigError("metrics_host", f"must be an IP address or host name, got "
+                          f"{cfg.metrics_host!r}")
     if cfg.serde_threads < 0:
         raise ConfigError("serde_threads", f"must be >= 0, got {cfg.serde_threads}")
     if not 4096 <= cfg.remote_part_size <= 512 * 1024 * 1024:

@@ -11,9 +11,10 @@ Names (the full list with meanings is in `docs/metrics.md`):
 - every sample carries the engine's labels `engine_id`, `model` and `worker`.
 
 `collector()` is one `prometheus_client` collector for the whole process (register it in
-your own registry when the inference server already serves `/metrics`); `serve(port)`
-registers it in the default registry and starts `prometheus_client`'s HTTP server, once per
-process and port. Importing this module is what imports `prometheus_client`.
+your own registry when the inference server already serves `/metrics`); `serve(port, addr)`
+registers it in the default registry and starts `prometheus_client`'s HTTP server on `addr`
+(loopback unless the caller says otherwise), once per process, address and port. Importing
+this module is what imports `prometheus_client`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class EngineCollector(Collector):
 
 _COLLECTOR = EngineCollector()
 _REGISTERED = False
-_SERVED: dict[int, Any] = defaultdict(lambda: None)
+_SERVED: dict[tuple[str, int], Any] = defaultdict(lambda: None)
 _LOCK = threading.Lock()
 
 
@@ -90,12 +91,13 @@ def collector() -> EngineCollector:
     return _COLLECTOR
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> None:
-    """Register the collector in the default registry and serve it on `port` (idempotent)."""
+def serve(port: int, addr: str = "127.0.0.1") -> None:
+    """Register the collector in the default registry and serve it on `addr`:`port`
+    (idempotent); the default address is loopback: only this host can scrape it."""
     global _REGISTERED
     with _LOCK:
         if not _REGISTERED:
             REGISTRY.register(_COLLECTOR)
             _REGISTERED = True
-        if _SERVED[port] is None:
-            _SERVED[port] = start_http_server(port, addr)
+        if _SERVED[addr, port] is None:
+            _SERVED[addr, port] = start_http_server(port, addr)

@@ -8,7 +8,8 @@
   once on `publish()` (the engine's `flush()`) and `close()`;
 - its entry in the process-wide metrics registry (`metrics.register_source`), which the
   Prometheus collector reads at scrape time; with `metrics_port` set, the HTTP exporter is
-  started once per process (`lmcache_remote.prometheus.serve`).
+  started on `metrics_host` (loopback by default) once per process
+  (`lmcache_remote.prometheus.serve`).
 
 None of this can fail or slow inference: publishing runs on its own thread, failures are
 counted (`publisher.*`), and a port that cannot be bound is logged, not raised.
@@ -82,9 +83,10 @@ class EngineReporter:
             from lmcache_remote import prometheus
 
             try:
-                prometheus.serve(config.metrics_port)
+                prometheus.serve(config.metrics_port, config.metrics_host)
             except OSError as exc:
-                logger.warning("cannot serve metrics on port %d: %s", config.metrics_port, exc)
+                logger.warning("cannot serve metrics on %s port %d: %s", config.metrics_host,
+                               config.metrics_port, exc)
 
     def published_fields(self) -> dict[str, FieldValue]:
         counters = self.metrics.counters()

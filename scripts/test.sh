@@ -7,7 +7,13 @@
 #      package from the test extras);
 #   2. .venv, torch==2.13.0 (CPU, from local disk) and the project with its test extras
 #      (scripts/env.sh);
-#   3. ruff, mypy, then pytest with this script's arguments.
+#   3. ruff, mypy, then pytest with this script's arguments;
+#   4. the connector's tests inside vLLM (tests/vllm_real/): a side environment with
+#      vllm==0.33.0 and the torch it pins (a CUDA build, several GB, downloaded once and reused
+#      from $LMCR_ENV_DIR, see scripts/env.sh), then pytest there with its python. vLLM's
+#      scheduler and connector plumbing run on the CPU (VLLM_TARGET_DEVICE=cpu); no GPU needed.
+#      LMCR_VLLM_PYTEST_ARGS replaces that run's arguments (default: -q -p no:cacheprovider);
+#      LMCR_SKIP_VLLM=1 skips this step (it says so).
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free
 # loopback ports (or use LMCR_TEST_REDIS_URL); see docs/testing.md.
 set -euo pipefail
@@ -39,3 +45,20 @@ section "mypy"
 
 section "pytest"
 "$PY" -m pytest "$@"
+
+section "vLLM 0.33.0 (tests/vllm_real, in a side environment)"
+if [ "${LMCR_SKIP_VLLM:-0}" = "1" ]; then
+    echo "SKIPPED: LMCR_SKIP_VLLM=1, the connector was not tested inside vLLM"
+    exit 0
+fi
+# pytest puts this checkout on sys.path (pyproject's pythonpath): see ensure_vllm_env.
+VPY="$(ensure_vllm_env)"
+"$VPY" -c "import sys, torch, vllm
+print('vllm', vllm.__version__, 'torch', torch.__version__)
+sys.exit(vllm.__version__ != '0.33.0' or not torch.__version__.startswith('2.14.0'))"
+# shellcheck disable=SC2206  # LMCR_VLLM_PYTEST_ARGS is a list of arguments
+vllm_args=(${LMCR_VLLM_PYTEST_ARGS:--q -p no:cacheprovider})
+for arg in "$@"; do
+    if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then vllm_args+=("$arg"); fi
+done
+VLLM_TARGET_DEVICE=cpu "$VPY" -m pytest tests/vllm_real "${vllm_args[@]}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -74,12 +75,14 @@ class ClusterServers:
         self,
         masters: int = 3,
         replicas: int = 0,
-        server_cls: type[RedisServer] = RedisServer,
+        server_cls: Callable[..., RedisServer] = RedisServer,
         *extra_args: str,
+        cli_args: Sequence[str] = (),
     ) -> None:
         if masters < 3:
             raise ValueError("redis-cli --cluster create needs at least 3 masters")
         self.replicas = replicas
+        self.cli_args = tuple(cli_args)  # e.g. redis-cli's --tls options
         self.nodes = [
             server_cls(
                 "--cluster-enabled", "yes",
@@ -95,7 +98,12 @@ class ClusterServers:
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
+        return "redis+cluster://" + self.hosts
+
+    @property
+    def hosts(self) -> str:
+        """Every node's `host:port`, comma-separated (for a URL of another scheme)."""
+        return ",".join(f"{n.host}:{n.port}" for n in self.nodes)
 
     def start(self) -> ClusterServers:
         cli = find_redis_cli()
@@ -103,7 +111,7 @@ class ClusterServers:
             for node in self.nodes:
                 node.start()
             argv = [
-                cli, "--cluster", "create",
+                cli, *self.cli_args, "--cluster", "create",
                 *(f"{n.host}:{n.port}" for n in self.nodes),
                 "--cluster-replicas", str(self.replicas), "--cluster-yes",
             ]  # fmt: skip
@@ -202,8 +210,9 @@ class SentinelServer(RedisServer):
 
     default_name = "sentinel"
 
-    def __init__(self, master_port: int, quorum: int, down_after_ms: int = 1000) -> None:
-        super().__init__()
+    def __init__(self, master_port: int, quorum: int, down_after_ms: int = 1000,
+                 *extra_args: str) -> None:
+        super().__init__(*extra_args)
         self.master_port = master_port
         self.quorum = quorum
         self.down_after_ms = down_after_ms
@@ -221,17 +230,22 @@ class SentinelServer(RedisServer):
         return [
             self.binary, str(conf), "--sentinel",
             "--port", str(self.port), "--bind", self.host, "--dir", str(self._dir),
+            *self.extra_args,
         ]  # fmt: skip
 
 
 class SentinelSetup:
     """A master, one replica and ``sentinels`` sentinels; see the module doc."""
 
-    def __init__(self, sentinels: int = 3) -> None:
-        self.master = RedisServer()
-        self.replica = RedisServer()
+    def __init__(self, sentinels: int = 3, server_cls: Callable[..., RedisServer] = RedisServer,
+                 sentinel_args: Sequence[str] = ()) -> None:
+        """`server_cls` makes the master and the replica (a TLS server, say);
+        `sentinel_args` go to every sentinel's command line (its TLS options, say)."""
+        self.master = server_cls()
+        self.replica = server_cls()
         self.sentinels: list[SentinelServer] = []
         self._count = sentinels
+        self._sentinel_args = tuple(sentinel_args)
 
     @property
     def url(self) -> str:
@@ -241,11 +255,12 @@ class SentinelSetup:
     def start(self) -> SentinelSetup:
         try:
             self.master.start()
-            self.replica.extra_args = ("--replicaof", LOOPBACK, str(self.master.port))
+            self.replica.extra_args += ("--replicaof", LOOPBACK, str(self.master.port))
             self.replica.start()
             quorum = self._count // 2 + 1
             self.sentinels = [
-                SentinelServer(self.master.port, quorum) for _ in range(self._count)
+                SentinelServer(self.master.port, quorum, 1000, *self._sentinel_args)
+                for _ in range(self._count)
             ]
             for sentinel in self.sentinels:
                 sentinel.start()

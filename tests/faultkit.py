@@ -9,7 +9,10 @@
 - `CuttingProxy`: a loopback TCP proxy in front of a server that cuts each connection after a
   set number of bytes in either direction, to inject a connection lost in the middle of a
   value (a fault a real server cannot be asked to produce on cue).
-- `timed(fn)`: run a call, return (result, seconds).
+- `timed(fn)`: run a call, return (result, seconds); `bound(n, remote_timeout)`: the most a
+  call that the library bounds by `n` remote timeouts may take on a busy 2-core machine. A
+  test holds a call to a time only where that bound is the promise under test; everything
+  else waits on events or polls with a deadline (`wait_for`).
 """
 
 from __future__ import annotations
@@ -87,6 +90,27 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     start = time.monotonic()
     result = fn()
     return result, time.monotonic() - start
+
+
+#: What a busy 2-core machine may add to a call beyond the remote timeouts that bound it
+#: (scheduling, the GIL, torch copies): a time bound fails for a hang or a timeout not
+#: applied, never for load.
+LOAD_MARGIN = 2.5
+
+
+def bound(timeouts: float, remote_timeout: float) -> float:
+    """The most a call that the library bounds by `timeouts` remote timeouts may take here."""
+    return timeouts * remote_timeout + LOAD_MARGIN
+
+
+def wait_for(cond: Callable[[], bool], limit: float = 30.0, poll: float = 0.05) -> bool:
+    """Poll `cond` until it holds or `limit` seconds passed; its last answer."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(poll)
+    return cond()
 
 
 # -- a proxy that cuts connections --------------------------------------------------------------

@@ -6,12 +6,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import redis
 from cliutil import fill, run, run_json
+from faultkit import wait_for
+from servers import unread_bytes
 
 SECRET = "s3cret-Pa55"
 
@@ -70,17 +71,27 @@ def test_bad_configuration_is_a_usage_error(tmp_path: Path) -> None:
     assert run("nosuchcommand").exit_code == 2
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C as an interactive shell gives it. A job started in
+    the background by a non-interactive shell (`cmd &`: how long test runs are often started)
+    ignores SIGINT, the child inherits that, and Python then installs no KeyboardInterrupt
+    handler: the signal would be lost and the command would wait for its Redis call."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupt_exits_130(private_redis) -> None:
     exe = Path(sys.executable).with_name("lmcache-remote")
     private_redis.pause()  # the command blocks in a Redis call until interrupted
     try:
         proc = subprocess.Popen([str(exe), "stats", "-v", "--url", private_redis.url],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={"LMCR_REMOTE_TIMEOUT": "60", "PATH": "/usr/bin:/bin"})
+                                env={"LMCR_REMOTE_TIMEOUT": "60", "PATH": "/usr/bin:/bin"},
+                                preexec_fn=_default_sigint)
         assert proc.stderr is not None
         first = proc.stderr.readline()  # logged right before the first Redis call
         assert "Redis at" in first
-        time.sleep(0.5)
+        # the command has sent its first request to the hung server and waits for the reply
+        assert wait_for(lambda: unread_bytes(private_redis.port) > 0)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:

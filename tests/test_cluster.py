@@ -30,7 +30,9 @@ from lmcache_remote.keys import scan_pattern, split_part_key
 from lmcache_remote.storage.client import make_client
 from lmcache_remote.storage.cluster_tier import ClusterRedisTier
 from tests import kvutil
+from tests import test_foreign_writer as foreign
 from tests.cluster_servers import ClusterServers
+from tests.faultkit import bound
 from tests.servers import RedisServer, ServerNotFoundError, ServerStartError, ValkeyServer
 
 CHUNK = 64
@@ -217,12 +219,12 @@ def test_a_killed_master_makes_its_chunks_misses_and_comes_back(
                 assert int(mask.sum()) == first_lost * CHUNK and bool(mask[hit].all())
                 assert torch.equal(_read(dst, slots[hit]), _read(src, slots[hit]))
                 eng.store(tokens, PagedKV(src, slots))  # writes to the others go on
-                assert time.monotonic() - started < 3 * TIMEOUT + 2
+                assert time.monotonic() - started < bound(3, TIMEOUT)
             assert eng.stats()["remote"]["errors"] > 0
         finally:
             victim.restart()  # same port, same nodes.conf: it rejoins with its slots, empty
             cluster.wait_ok()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60
         while eng.lookup(tokens) < TOKENS and time.monotonic() < deadline:
             eng.store(tokens, PagedKV(src, slots))  # refills what the restart lost
             time.sleep(0.2)
@@ -269,13 +271,13 @@ def test_a_hung_master_costs_one_timeout(cluster: ClusterServers, key_prefix: st
         try:
             started = time.monotonic()
             assert eng.lookup(tokens) == 0  # the first chunk's master does not answer
-            assert time.monotonic() - started < TIMEOUT + 2.0
+            assert time.monotonic() - started < bound(1, TIMEOUT)
             started = time.monotonic()
             assert not bool(eng.retrieve(tokens, PagedKV(_kv(None), slots)).any())
-            assert time.monotonic() - started < TIMEOUT + 2.0
+            assert time.monotonic() - started < bound(1, TIMEOUT)
         finally:
             victim.resume()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while eng.lookup(tokens) < TOKENS and time.monotonic() < deadline:
             time.sleep(0.2)
         assert eng.lookup(tokens) == TOKENS
@@ -295,7 +297,7 @@ def test_a_replica_takes_over_a_killed_master(key_prefix: str) -> None:
                     assert client.execute_command("WAIT", 1, 5000) == 1
             victim = _owner(servers, _chunk_keys(key_prefix, tokens)[0])
             victim.kill()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while eng.lookup(tokens) < TOKENS and time.monotonic() < deadline:
                 time.sleep(0.2)  # misses (never raises) until the replica is promoted
             assert eng.lookup(tokens) == TOKENS
@@ -322,12 +324,12 @@ def test_valkey_cluster_works_the_same_even_when_it_starts_after_the_engine(
             assert eng.lookup(tokens) == 0
             eng.store(tokens, PagedKV(src, slots))
             assert not bool(eng.retrieve(tokens, PagedKV(_kv(None), slots)).any())
-            assert time.monotonic() - started < 3 * TIMEOUT + 2
+            assert time.monotonic() - started < bound(3, TIMEOUT)
             try:
                 servers.start()
             except (ServerNotFoundError, ServerStartError) as exc:
                 pytest.fail(f"cannot start a valkey cluster for the tests:\n{exc}")
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60
             while eng.lookup(tokens) < TOKENS and time.monotonic() < deadline:
                 eng.store(tokens, PagedKV(src, slots))
                 time.sleep(0.2)
@@ -338,3 +340,22 @@ def test_valkey_cluster_works_the_same_even_when_it_starts_after_the_engine(
         assert all(_keys_on(m, key_prefix) for m in servers.masters)
     finally:
         servers.stop()
+
+
+def test_chunks_cut_by_another_writer_count_as_they_read(cluster: ClusterServers,
+                                                         key_prefix: str) -> None:
+    """test_foreign_writer's check on the cluster tier: chunks written from the docs alone,
+    cut every which way, spread over the masters; lookup == retrieve, bit-exact, and a chunk
+    missing a listed part is absent to both."""
+    tokens = list(range(300, 300 + foreign.CHUNK * len(foreign.CUTS)))
+    keys, values = kvutil.dense_cache(len(tokens), foreign.DTYPE, seed=8)
+    client = make_client(CacheConfig(remote_url=cluster.url))
+    try:
+        names = foreign.write_foreign_chunks(client, tokens, keys, values, key_prefix)
+        foreign.check_lookup_is_retrieve(cluster.url, key_prefix, tokens, keys, values,
+                                         len(tokens))
+        assert client.unlink(f"{names[1]}#1") == 1  # chunk 1: 4 parts, the plan names 2
+        foreign.check_lookup_is_retrieve(cluster.url, key_prefix, tokens, keys, values,
+                                         foreign.CHUNK)
+    finally:
+        client.close()

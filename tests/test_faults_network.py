@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from faultkit import CuttingProxy, check_retrieve, det_kv, sentinel_kv, timed
+from faultkit import CuttingProxy, bound, check_retrieve, det_kv, sentinel_kv, timed
 from kvutil import engine
 from servers import RedisServer
 
@@ -41,9 +41,9 @@ def test_reply_cut_mid_value_is_never_used(private_redis: RedisServer, key_prefi
                 hit, took = timed(lambda r=r, d=dst: r.retrieve(toks, d))
                 n = check_retrieve(hit, toks, read)
                 assert n < len(toks)  # every request is cut somewhere before its end
-                assert took < 2 * TIMEOUT + 0.5
+                assert took < bound(2, TIMEOUT)
                 _, took = timed(lambda r=r: r.lookup(toks))
-                assert took < 2 * TIMEOUT + 0.5
+                assert took < bound(2, TIMEOUT)
                 stats = r.stats()["remote"]
                 assert stats.get("corrupt_chunks", 0) == 0, f"cut at {cut} seen as corruption"
         assert proxy.cuts > 0
@@ -72,7 +72,7 @@ def test_write_cut_mid_value_leaves_whole_chunks_or_none(private_redis: RedisSer
             with engine(proxy.url, key_prefix, local_cpu=False, store_async=False, serde="raw",
                         remote_timeout=TIMEOUT, **extra) as w:
                 _, took = timed(lambda w=w, t=toks: w.store(t, det_kv(t)))
-                assert took < 3 * TIMEOUT + 0.5
+                assert took < bound(3, TIMEOUT)
         assert proxy.cuts > 0
     with engine(private_redis.url, key_prefix, local_cpu=False, **extra) as r:
         for toks in requests:

@@ -82,6 +82,23 @@ def test_acl_user_limited_to_the_prefix_and_listed_commands_can_do_everything(
         assert PASSWORD not in result.stdout + result.stderr
 
 
+def test_the_engine_commands_alone_serve_chunks_another_writer_cut(
+        acl_server: RedisServer, key_prefix: str) -> None:
+    """An ACL user with `ENGINE_COMMANDS` only (no CLI rights) passes the access check, and
+    its lookups read the header of a chunk cut into other parts (GETRANGE) to count it."""
+    import test_foreign_writer as foreign
+
+    url = acl_user(acl_server, "engine", f"~{key_prefix}:*",
+                   *(f"+{cmd}" for cmd in ENGINE_COMMANDS))
+    tokens = list(range(40, 40 + foreign.CHUNK * len(foreign.CUTS)))
+    keys, values = foreign.kvutil.dense_cache(len(tokens), foreign.DTYPE, seed=9)
+    with acl_server.client() as admin:
+        foreign.write_foreign_chunks(admin, tokens, keys, values, key_prefix)
+    with engine(url, key_prefix) as e:
+        e.check_remote()
+    foreign.check_lookup_is_retrieve(url, key_prefix, tokens, keys, values, len(tokens))
+
+
 def test_acl_user_without_write_rights_is_reported_loudly(
         acl_server: RedisServer, key_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     url = acl_user(acl_server, "reader", f"~{key_prefix}:*", "+ping", "+get", "+exists")

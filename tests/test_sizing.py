@@ -3,6 +3,8 @@ plan's guarantees, and what a real redis-server allocates for chunks cut with an
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,3 +102,117 @@ def test_planned_parts_waste_little_redis_memory(private_redis: RedisServer) -> 
         planes = _redis_bytes(private_redis, layout, count,
                               Serde("lz4-planes", fit_size_classes=True), "planes")
         assert planes < 0.9, (name, planes)
+
+
+# -- the part plan as docs/value-format.md states it ------------------------------------------
+#
+# An implementation written from the page's steps alone (not from sizing.py), so that a writer
+# in another language who follows the page cuts chunks exactly as this project does.
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "value-format.md"
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _doc_class(n: int) -> int:
+    if n <= 8:
+        return 8
+    if n <= 128:
+        return _ceil(n, 16) * 16
+    q = 1 << ((n - 1).bit_length() - 3)
+    return _ceil(n, q) * q
+
+
+def _doc_below(c: int) -> int:
+    return max(8, c - 16) if c <= 128 else c - (1 << ((c - 1).bit_length() - 3))
+
+
+def _doc_alloc(n: int) -> int:
+    return _doc_class(n + 16)
+
+
+def _doc_bound(m: int) -> int:
+    return 185 + m + m // 255
+
+
+def _doc_head(n: int) -> int:
+    return 84 + 16 * n
+
+
+def _doc_cost(r: int, s: int) -> int:
+    n = max(1, _ceil(r, s))
+    last = r - (n - 1) * s
+    if n == 1:
+        return 192 + _doc_alloc(_doc_head(1) + _doc_bound(r))
+    return (192 * n + _doc_alloc(_doc_head(n) + _doc_bound(s))
+            + (n - 2) * _doc_alloc(_doc_bound(s)) + _doc_alloc(_doc_bound(last)))
+
+
+def _doc_fill(limit: int, k: int, top: int) -> int:
+    low, high = 0, top
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _doc_alloc(_doc_head(k) + _doc_bound(mid)) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def doc_plan(r: int, m: int) -> int:
+    """Steps 1-3 of "The part plan"."""
+    if r <= 0:
+        return m
+    top = m - m % 64
+    candidates = {r} if r <= top else {top}
+    first = _ceil(r, top)
+    for n in range(first, first + 3):
+        even = _ceil(r, n)
+        even += -even % 64
+        if even > top:
+            continue
+        if _ceil(r, even) >= 2:
+            candidates.add(even)
+        held = _doc_alloc(_doc_head(n) + _doc_bound(even))
+        for limit in (held, _doc_below(held)):
+            for k in (n, n + 1):
+                s = _doc_fill(limit, k, top)
+                s -= s % 64
+                if s > 0 and k >= 2 and _ceil(r, s) == k:
+                    candidates.add(s)
+    return min(candidates, key=lambda s: (_doc_cost(r, s), -s))
+
+
+def _doc_examples() -> list[tuple[int, int, int, int, int]]:
+    text = DOC.read_text().split("<!-- part-plan-examples -->")[1].split("<!--")[0]
+    rows = [line.strip("|").split("|") for line in text.strip().splitlines()[2:]]
+    return [tuple(int(cell) for cell in row) for row in rows]  # type: ignore[misc]
+
+
+def test_docs_part_plan_examples_are_what_the_code_cuts() -> None:
+    examples = _doc_examples()
+    assert len(examples) >= 10
+    for raw, max_part, part_size, count, last in examples:
+        serde = Serde("raw", max_part, fit_size_classes=True)
+        assert plan_part_size(raw, max_part) == part_size, (raw, max_part)
+        assert serde.part_count(raw) == count and raw - (count - 1) * part_size == last
+        assert doc_plan(raw, max_part) == part_size
+
+
+def test_docs_worked_example_costs() -> None:
+    """The costs the page's worked example (R = 4096) lists, candidate by candidate."""
+    listed = {4096: 5312, 3712: 5120, 2048: 5504, 2176: 5504, 1664: 5696, 1408: 5696,
+              1152: 6272}
+    assert {s: _doc_cost(4096, s) for s in listed} == listed
+    assert {s: plan_cost(4096, s) for s in listed} == listed
+    assert DOC.read_text().count("3712") >= 2
+
+
+@settings(max_examples=2000, deadline=None)
+@given(raw=st.one_of(st.integers(1, 1 << 20), st.integers(1, 600 * 2**20)),
+       max_part=st.one_of(st.sampled_from([4096, 65536, 2**20, DEFAULT_PART_SIZE]),
+                          st.integers(4096, 64 * 2**20)))
+def test_the_documented_steps_are_the_plan(raw: int, max_part: int) -> None:
+    assert doc_plan(raw, max_part) == plan_part_size(raw, max_part)

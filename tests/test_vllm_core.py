@@ -1,17 +1,27 @@
-"""The vLLM-free decisions of the connector: hit counting, plans across steps, layouts.
+"""The vLLM-free decisions of the connector: hit counting, plans across steps, layouts, dtypes,
+and the scheduler's `PrefixLookup` against a real Redis.
 
-The scheduler side is given a lookup function that answers a fixed number of hit tokens (the
-real one asks Redis; its answers are covered by test_vllm_connector.py)."""
+These run in the project's own environment, without vLLM. They cannot show that vLLM calls
+the hooks in this order, with these values, on caches of these shapes, or that a load is in
+place before attention reads it: `tests/vllm_real/` shows that inside vLLM 0.33 (run by
+scripts/test.sh in its own environment). Here the scheduler side gets a lookup function that
+answers a fixed number of hit tokens, and the plans are fed hand-made requests."""
 
 from __future__ import annotations
 
 import pytest
+import redis
 import torch
+from kvutil import chunk_heads
 
-from lmcache_remote import ConfigError
+from lmcache_remote import CacheConfig, CacheEngine, ConfigError, DenseKV
+from lmcache_remote.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.integrations.vllm_core import (
     CachedRequest,
+    KVGeometry,
     NewRequest,
+    PrefixLookup,
+    RequestPlan,
     SchedulerSide,
     Span,
     cache_torch_dtype,
@@ -19,6 +29,7 @@ from lmcache_remote.integrations.vllm_core import (
     load_settings,
     slot_mapping,
 )
+from lmcache_remote.integrations.vllm_core.worker import WorkerSide
 
 C, B = 256, 16
 
@@ -108,24 +119,213 @@ def test_slot_mapping_and_layouts() -> None:
     with pytest.raises(ValueError):
         slot_mapping([3], 4, 5)
     flash = torch.zeros(10, 2, 16, 2, 8)
-    view, layout = layer_view(flash)
+    view, layout = layer_view(flash, use_mla=False)
     assert layout == "kv_split" and view.shape == (2, 10, 16, 2, 8)
     view[1, 3, 4] = 1.0
     assert flash[3, 1, 4].eq(1.0).all()  # a view, no copy
-    assert layer_view(torch.zeros(2, 10, 16, 2, 8))[1] == "kv_split"
-    assert layer_view(torch.zeros(10, 2, 16, 16))[1] == "packed"
-    assert layer_view(torch.zeros(10, 16, 576))[1] == "mla"
+    assert layer_view(torch.zeros(2, 10, 16, 2, 8), use_mla=False)[1] == "kv_split"
+    assert layer_view(torch.zeros(10, 2, 16, 16), use_mla=False)[1] == "packed"
+    # MLA: vLLM 0.33's [blocks, 1, block_size, latent] has the packed layout's rank; only the
+    # spec tells them apart
+    mla4 = torch.zeros(10, 1, 16, 576)
+    view, layout = layer_view(mla4, use_mla=True)
+    assert layout == "mla" and view.shape == (10, 16, 576)
+    assert view.data_ptr() == mla4.data_ptr()
+    assert layer_view(mla4, use_mla=False)[1] == "packed"
+    assert layer_view(torch.zeros(10, 16, 576), use_mla=True)[1] == "mla"
     with pytest.raises(ValueError):
-        layer_view(torch.zeros(10))
+        layer_view(torch.zeros(10), use_mla=False)
+    with pytest.raises(ValueError):
+        layer_view(torch.zeros(10, 2, 16, 16), use_mla=True)
+
+
+def test_fp8_caches_are_viewed_as_their_values() -> None:
+    raw = torch.arange(10 * 2 * 16 * 16, dtype=torch.int64).remainder(120).to(torch.uint8)
+    raw = raw.reshape(10, 2, 16, 16)
+    view, _ = layer_view(raw, use_mla=False, dtype=torch.float8_e5m2)
+    assert view.dtype == torch.float8_e5m2 and torch.equal(view.view(torch.uint8), raw)
+    with pytest.raises(ValueError, match="cannot be viewed"):
+        layer_view(raw, use_mla=False, dtype=torch.bfloat16)
 
 
 def test_cache_dtypes_and_settings() -> None:
     assert cache_torch_dtype("auto", torch.float16) is torch.float16
-    assert cache_torch_dtype("fp8_e4m3", torch.bfloat16) is torch.uint8
+    for name in ("fp8", "fp8_e4m3", "fp8_inc"):
+        assert cache_torch_dtype(name, torch.bfloat16) is torch.float8_e4m3fn
+    assert cache_torch_dtype("fp8_e5m2", torch.bfloat16) is torch.float8_e5m2
     assert cache_torch_dtype("bfloat16", torch.float16) is torch.bfloat16
-    with pytest.raises(ConfigError):
-        cache_torch_dtype("nonsense", torch.float16)
+    for name in ("nonsense", "fp8_ds_mla", "int8_per_token_head", "turboquant_k8v4"):
+        with pytest.raises(ConfigError, match="cache_dtype"):
+            cache_torch_dtype(name, torch.float16)
     settings = load_settings({"remote_url": None, "model_name": "served/name"})
     assert settings.model_name == "served/name" and settings.layerwise is True
     with pytest.raises(ConfigError, match="bogus"):
         load_settings({"bogus": 1})
+
+
+def test_a_rolled_back_request_stores_its_chunks_again() -> None:
+    """vLLM truncates a request's computed tokens at the first block of a short load and
+    recomputes from there: what the hit had counted as stored is stored again."""
+    s = side(768)
+    prompt = list(range(1000))
+    s.num_new_matched_tokens("r", prompt, 0)
+    s.after_alloc("r", 768)
+    (plan,) = s.build([NewRequest("r", prompt, blocks(1000), 768)], [], {"r": 232})
+    assert plan.save is None  # [0, 768) counted as stored, no new full chunk
+    (plan,) = s.build([], [CachedRequest("r", None, False, 256)], {"r": 744})
+    assert plan.load is None and plan.save == Span(256, 256, 768)
+
+
+def geometry() -> KVGeometry:
+    return KVGeometry(2, 2, 8, torch.bfloat16, False)
+
+
+def test_prefix_lookup_without_a_remote_tier_finds_nothing() -> None:
+    ns = [KeyNamespace("m", 1, 0, "bfloat16")]
+    lookup = PrefixLookup(CacheConfig(remote_url=None), geometry().metadata("m", 1, 0).layout,
+                          ns)
+    assert lookup(list(range(600))) == 0
+    lookup.close()
+
+
+def test_prefix_lookup_counts_what_every_rank_holds(private_redis) -> None:
+    config = CacheConfig(remote_url=private_redis.url, remote_timeout=0.5, chunk_size=C,
+                         store_async=False, local_cpu=False, stats_publish_interval=None)
+    tokens = list(range(600))
+    for rank in range(2):
+        kv = DenseKV([torch.randn(2, 600, 8).to(torch.bfloat16) for _ in range(2)],
+                     [torch.randn(2, 600, 8).to(torch.bfloat16) for _ in range(2)])
+        with CacheEngine(config, geometry().metadata("m", 2, rank)) as engine:
+            assert engine.store(tokens, kv) == 512
+    ns = [geometry().metadata("m", 2, r).namespace for r in range(2)]
+    lookup = PrefixLookup(config, geometry().metadata("m", 2, 0).layout, ns)
+    assert lookup(tokens) == 512
+    client = redis.Redis.from_url(private_redis.url)
+    second = TokenDatabase(ns[1], C, False).prefix_keys(tokens)[1]
+    assert client.unlink(second.key.redis_key(config.key_prefix)) == 1
+    assert lookup(tokens) == 256  # rank 1 lacks the second chunk
+    assert lookup(tokens, "other salt") == 0
+    private_redis.kill()
+    assert lookup(list(range(600))) == 0
+    assert lookup.metrics.counters()["lookup.remote_errors"] >= 1
+    lookup.close()
+
+
+def test_stores_over_a_load_gap_wait_for_the_rollback(private_redis) -> None:
+    """A short load leaves a gap; the worker drops the request's stores that start past it
+    (their KV was computed over missing tokens) until a plan made after vLLM's rollback
+    arrives. The second step here is what asynchronous scheduling produces: planned before the
+    failure was seen. That scheduling order itself has not run inside vLLM (tests/vllm_real
+    steps synchronously); here the plans are hand-made."""
+    config = {"remote_url": private_redis.url, "chunk_size": C, "store_async": False,
+              "local_cpu": False, "stats_publish_interval": None}
+    tokens = list(range(1300))
+    slots = slot_mapping(blocks(1300), B, 1300)
+
+    def worker() -> WorkerSide:
+        side = WorkerSide(load_settings(config), "m", 1, 0)
+        caches = {f"l{i}": torch.randn(200, 2, B, 16).to(torch.bfloat16) for i in range(2)}
+        side.register(caches, use_mla=False, dtype=torch.bfloat16, block_size=B)
+        return side
+
+    def step(side: WorkerSide, load: Span | None, save: Span | None) -> set[int]:
+        side.begin_step([RequestPlan("r", tokens, slots, None, load, save)])
+        side.start_load()
+        for name in ("l0", "l1"):
+            side.wait_for_layer(name)
+            side.save_layer(name)
+        side.wait_for_save()
+        return side.take_load_errors()
+
+    client = redis.Redis.from_url(private_redis.url)
+
+    def stored() -> int:
+        return len(chunk_heads(client.scan_iter(match="lmcr:v1:*")))
+
+    first = worker()
+    assert step(first, None, Span(0, 0, 768)) == set()
+    assert stored() == 3
+    ns = first.engine.token_db.namespace
+    gone = TokenDatabase(ns, C, False).prefix_keys(tokens)[1].key.redis_key("lmcr")
+    assert client.unlink(gone) == 1
+    second = worker()
+    errors = step(second, Span(0, 0, 768), Span(768, 768, 1024))
+    assert errors == {b for b in blocks(1300)[16:48]}
+    assert stored() == 2  # chunk 3 was computed over the gap: not stored
+    assert step(second, None, Span(1024, 1024, 1280)) == set()
+    assert stored() == 2  # planned before the rollback: dropped too
+    assert step(second, None, Span(256, 256, 1280)) == set()
+    assert stored() == 5  # after the rollback: chunks 1-4 stored, the lost one back
+    first.close()
+    second.close()
+
+
+def test_a_large_hit_is_an_async_load_planned_from_the_allocated_blocks() -> None:
+    s = side(1024, async_load_min_tokens=512)
+    prompt = list(range(1100))
+    n = s.num_new_matched_tokens("r", prompt, 0)
+    assert (n, s.loads_async(n), s.loads_async(256)) == (1024, True, False)
+    s.after_alloc("r", 1024, block_ids=blocks(1100))
+    (plan,) = s.build([], [], {})  # vLLM does not schedule it while it waits for its KV
+    assert plan.async_load and plan.load == Span(0, 0, 1024) and plan.save is None
+    assert plan.slot_mapping.tolist() == slot_mapping(blocks(1100), B, 1024).tolist()
+    assert s.build([], [], {}) == []  # planned once
+    # loaded: vLLM schedules it as a new request; the hit counts as stored
+    assert s.build([NewRequest("r", prompt, blocks(1100), 1024)], [], {"r": 76}) == []
+    # loaded short: vLLM truncated it at the gap; from there it is stored again
+    s.num_new_matched_tokens("q", prompt, 0)
+    s.after_alloc("q", 1024, block_ids=blocks(1100))
+    s.build([], [], {})
+    (plan,) = s.build([NewRequest("q", prompt, blocks(1100), 512)], [], {"q": 588})
+    assert plan.load is None and plan.save == Span(512, 512, 1024)
+
+
+def test_async_load_min_tokens_is_validated() -> None:
+    assert load_settings({}).async_load_min_tokens == 1024
+    assert load_settings({"async_load_min_tokens": None}).async_load_min_tokens is None
+    for bad in (0, -1, "1024", True, 1.5):
+        with pytest.raises(ConfigError, match="async_load_min_tokens"):
+            load_settings({"async_load_min_tokens": bad})
+
+
+def test_with_async_save_a_request_that_stored_holds_its_blocks_at_finish() -> None:
+    s = side(0, async_save=True)
+    prompt = list(range(600))
+    for req_id in ("stores", "short"):
+        s.num_new_matched_tokens(req_id, prompt if req_id == "stores" else prompt[:100], 0)
+        s.after_alloc(req_id, 0)
+    plans = s.build([NewRequest("stores", prompt, blocks(600), 0),
+                     NewRequest("short", prompt[:100], blocks(100, 300), 0)], [],
+                    {"stores": 600, "short": 100})
+    assert [p.req_id for p in plans] == ["stores"]
+    assert s.finish("stores") is True  # vLLM waits for the workers' finished_sending
+    assert s.finish("short") is False  # nothing stored: freed at once
+    assert load_settings({"async_save": True}).async_save is True
+    with pytest.raises(ConfigError, match="async_save"):
+        load_settings({"async_save": "yes"})
+
+
+def test_background_lookup_answers_none_until_its_lookup_is_done() -> None:
+    import threading
+
+    from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
+
+    release, calls = threading.Event(), []
+
+    def slow(tokens, salt):
+        calls.append(len(tokens))
+        assert release.wait(30)
+        return 512
+
+    lookup = BackgroundLookup(slow, wait_s=0.01)
+    s = SchedulerSide(slow, C, B, lookup_wait_s=5.0)
+    assert lookup("r", list(range(600)), None) is None
+    assert lookup("r", list(range(600)), None) is None  # the same lookup, not a second one
+    release.set()
+    assert lookup("r", list(range(600)), None) == 512
+    assert calls == [600]
+    assert s.num_new_matched_tokens("q", list(range(600)), 0) == 512  # answers within wait
+    lookup.close()
+    s.close()
+    with pytest.raises(ConfigError, match="lookup_wait_ms"):
+        load_settings({"lookup_wait_ms": -1})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -99,3 +100,44 @@ class TlsRedisServer(RedisServer):
         URLs with `tls_url`."""
         return self.tls_url(ssl_cert_reqs="none", ssl_certfile=str(self.pki.client_cert),
                             ssl_keyfile=str(self.pki.client_key))
+
+
+def peer_tls_args(pki: Pki) -> tuple[str, ...]:
+    """Server options for TLS between servers too: the cluster bus and replication, each
+    server presenting the client certificate when it connects to another."""
+    return ("--tls-cluster", "yes", "--tls-replication", "yes",
+            "--tls-client-cert-file", str(pki.client_cert),
+            "--tls-client-key-file", str(pki.client_key))
+
+
+def tls_node_maker(pki: Pki) -> Callable[..., TlsRedisServer]:
+    """`make(*extra_args)`: a TLS-only server (the good certificate, client certificates
+    required) that also speaks TLS to its peers; what `ClusterServers` and `SentinelSetup`
+    take as `server_cls`."""
+
+    def make(*extra_args: str) -> TlsRedisServer:
+        return TlsRedisServer(pki, pki.server_cert, pki.server_key, "yes", *extra_args,
+                              *peer_tls_args(pki))
+
+    return make
+
+
+def sentinel_tls_args(pki: Pki) -> tuple[str, ...]:
+    """A sentinel that listens in plain text (as `rediss+sentinel://` expects: TLS is for the
+    master connections) and reaches the TLS-only master and replica over TLS."""
+    return ("--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
+            "--tls-ca-cert-file", str(pki.ca), "--tls-replication", "yes",
+            "--tls-client-cert-file", str(pki.client_cert),
+            "--tls-client-key-file", str(pki.client_key))
+
+
+def cli_tls_args(pki: Pki) -> tuple[str, ...]:
+    """redis-cli's options to reach these servers (e.g. for `--cluster create`)."""
+    return ("--tls", "--cacert", str(pki.ca), "--cert", str(pki.client_cert),
+            "--key", str(pki.client_key))
+
+
+def client_tls_query(pki: Pki) -> str:
+    """The URL query that verifies these servers and presents the client certificate."""
+    return urlencode({"ssl_ca_certs": str(pki.ca), "ssl_certfile": str(pki.client_cert),
+                      "ssl_keyfile": str(pki.client_key)})

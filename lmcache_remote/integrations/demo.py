@@ -12,18 +12,24 @@
 3. The workload: `options.requests` prompts of synthetic token ids that share a long prefix
    (a system prompt plus RAG documents, `options.prefix_tokens` tokens) and end in a
    different question each.
-4. Four phases, every request timed from its arrival to its next-token logits (TTFT: cache
-   lookup and load, then the model on what is left; the store after the logits, flushed to
-   Redis before the next request starts, is timed apart):
+4. Four phases, every request timed the same way, from its arrival to its next-token logits
+   (TTFT: cache lookup and load, then the model on what is left, `_forward`; the store
+   after the logits, flushed to Redis before the next request starts, is timed apart):
    - `no_cache`: the model alone on each whole prompt;
    - `cold`: instance A (an engine with its local CPU tier), first request: a miss, whose
      chunks it stores;
    - `warm_local`: instance A, the other requests: the shared prefix from its local tier;
    - `warm_remote`: instance B, a second engine with no local tier, every request: the
      prefix that A stored, from Redis.
-   Each cached run's next-token logits are compared with the no-cache run's. A phase's
-   figure is its median TTFT (one slow request on a busy machine does not move it); one
-   untimed full-length pass before the first phase takes the one-time costs.
+   Each cached request is timed right after a no-cache run of the same prompt, its pair: a
+   phase's speed-up is the median over its pairs of no-cache TTFT / cached TTFT, so a machine
+   that gets busier or quieter during the run moves both sides of a pair alike. A miss thus
+   shows as what it is, about 1.0x (a full prefill plus a lookup), with its store after the
+   logits in its own column. Each cached run's next-token logits are compared with its pair's.
+   `options.rounds` rounds, each on prompts of its own (another shared prefix: A's first
+   request misses every round); before them one untimed warm-up round runs every path (the
+   model at full length and on a suffix, lookup, load, store, both engines) on prompts of
+   its own, so no phase pays the first-run costs.
 5. Redis: the keys and value bytes under the run's own key prefix (`<key_prefix>-demo-<hex>`,
    unique per run), then UNLINK of exactly those keys unless `options.keep`. Never FLUSHDB.
 """
@@ -66,24 +72,29 @@ class DemoOptions:
     question_tokens: int = 48
     seed: int = 0
     keep: bool = False
+    rounds: int = 3
 
     def __post_init__(self) -> None:
         if self.requests < 2:
             raise ValueError("requests must be >= 2 (one cold, the others warm)")
+        if self.rounds < 1:
+            raise ValueError("rounds must be >= 1")
         if self.prefix_tokens < 1 or self.question_tokens < 1:
             raise ValueError("prefix_tokens and question_tokens must be >= 1")
 
 
 @dataclasses.dataclass
 class Phase:
-    """One row of the demo's table; times in seconds."""
+    """One row of the demo's table; times in seconds. `paired_s[i]` is the no-cache TTFT of
+    the same prompt, timed right before `ttft_s[i]` (the no-cache phase: its own)."""
 
     name: str
     description: str
-    ttft_s: list[float]
-    hit_tokens: list[int]
-    prompt_tokens: list[int]
-    store_s: list[float]
+    ttft_s: list[float] = dataclasses.field(default_factory=list)
+    paired_s: list[float] = dataclasses.field(default_factory=list)
+    hit_tokens: list[int] = dataclasses.field(default_factory=list)
+    prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+    store_s: list[float] = dataclasses.field(default_factory=list)
     max_logit_diff: float = 0.0
     same_next_token: bool = True
 
@@ -93,8 +104,13 @@ class Phase:
 
     @property
     def median_ttft_s(self) -> float:
-        """The figure the table shows and speed-ups use: robust to one slow request."""
+        """The figure the table shows: robust to one slow request."""
         return statistics.median(self.ttft_s)
+
+    @property
+    def speedup(self) -> float:
+        """The median over the phase's pairs of no-cache TTFT / this phase's TTFT."""
+        return statistics.median(p / t for p, t in zip(self.paired_s, self.ttft_s, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,11 +118,13 @@ class Phase:
             "description": self.description,
             "requests": len(self.ttft_s),
             "ttft_ms": [round(t * 1000, 3) for t in self.ttft_s],
+            "paired_no_cache_ms": [round(t * 1000, 3) for t in self.paired_s],
             "mean_ttft_ms": round(self.mean_ttft_s * 1000, 3),
             "median_ttft_ms": round(self.median_ttft_s * 1000, 3),
             "hit_tokens": sum(self.hit_tokens),
             "prompt_tokens": sum(self.prompt_tokens),
             "store_ms": [round(t * 1000, 3) for t in self.store_s],
+            "median_store_ms": round(statistics.median(self.store_s) * 1000, 3),
             "max_logit_diff": self.max_logit_diff,
             "same_next_token": self.same_next_token,
         }
@@ -125,6 +143,7 @@ class DemoReport:
     key_prefix: str
     shared_prefix_tokens: int
     phases: list[Phase]
+    rounds: int = 1
     redis_chunks: int = 0
     redis_keys: int = 0
     redis_bytes: int = 0
@@ -138,8 +157,8 @@ class DemoReport:
         return next(p for p in self.phases if p.name == name)
 
     def speedup(self, name: str) -> float:
-        """Median TTFT without the cache over the phase's median TTFT."""
-        return self.phase("no_cache").median_ttft_s / self.phase(name).median_ttft_s
+        """The phase's median speed-up over its no-cache pairs (`Phase.speedup`)."""
+        return self.phase(name).speedup
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,6 +171,7 @@ class DemoReport:
                       "keys": self.redis_keys,
                       "bytes": self.redis_bytes, "keys_removed": self.keys_removed},
             "shared_prefix_tokens": self.shared_prefix_tokens,
+            "rounds": self.rounds,
             "phases": [p.to_dict() for p in self.phases],
             "speedup": {p.name: round(self.speedup(p.name), 3) for p in self.phases},
             "outputs_match": self.outputs_match,
@@ -170,14 +190,16 @@ def run_demo(config: CacheConfig, options: DemoOptions, note: Note | None = None
                                          stats_publish_interval=None)  # chunks only
         model, label = _model(options, say)
         meta = engine_metadata(model, model_name=options.model_name or _default_name(options))
-        prompts = _workload(options, int(model.config.vocab_size), _max_len(model))
+        vocab, max_len = int(model.config.vocab_size), _max_len(model)
+        rounds = [_workload(options, vocab, max_len, r) for r in range(options.rounds + 1)]
         report = DemoReport(
             model=label, model_name=meta.model_name, dtype=dtype_name(meta.kv_dtype),
             chunk_size=config.chunk_size, redis_url=mask_url(url), redis_source=source,
-            key_prefix=prefix, shared_prefix_tokens=_shared_len(prompts), phases=[],
+            key_prefix=prefix, shared_prefix_tokens=_shared_len(rounds[0]),
+            phases=_empty_phases(), rounds=options.rounds,
         )
         try:
-            _run_phases(model, run_config, meta, prompts, report, say)
+            _run_phases(model, run_config, meta, rounds, report, say)
             report.redis_chunks, report.redis_keys, report.redis_bytes = _usage(run_config)
         finally:
             if not options.keep:
@@ -259,9 +281,11 @@ def _max_len(model: Any) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
 
 
-def _workload(options: DemoOptions, vocab: int, max_len: int) -> list[torch.Tensor]:
-    """Prompts: a system prompt and documents shared by all, then a question each."""
-    gen = torch.Generator().manual_seed(options.seed)
+def _workload(options: DemoOptions, vocab: int, max_len: int, round_index: int = 0
+              ) -> list[torch.Tensor]:
+    """Prompts of one round: a system prompt and documents shared by all, then a question
+    each; every round has its own (from the seed and the round's index)."""
+    gen = torch.Generator().manual_seed(options.seed * 1_000_003 + round_index)
     prefix_len = max(1, min(options.prefix_tokens, max_len - options.question_tokens))
     system = torch.randint(0, vocab, (prefix_len // 8,), generator=gen)
     documents = torch.randint(0, vocab, (prefix_len - len(system),), generator=gen)
@@ -280,65 +304,79 @@ def _shared_len(prompts: list[torch.Tensor]) -> int:
 # -- phases -----------------------------------------------------------------------------------
 
 
-def _run_phases(model: Any, config: CacheConfig, meta: Any, prompts: list[torch.Tensor],
+PHASES = (
+    ("no_cache", "no cache: the whole prompt computed"),
+    ("cold", "instance A, cold cache: a miss, its chunks stored"),
+    ("warm_local", "instance A, warm: prefix from its local CPU tier"),
+    ("warm_remote", "instance B, warm from A through Redis (no local tier)"),
+)
+
+
+def _empty_phases() -> list[Phase]:
+    return [Phase(name, description) for name, description in PHASES]
+
+
+def _run_phases(model: Any, config: CacheConfig, meta: Any, rounds: list[list[torch.Tensor]],
                 report: DemoReport, say: Note) -> None:
-    with torch.no_grad():
-        # untimed: the first pass at full length pays one-time costs (allocator, kernels)
-        model(input_ids=prompts[0].unsqueeze(0).to(model.device))
-    say("no cache: full prefill of every prompt")
-    baseline, reference = _phase_no_cache(model, prompts)
-    report.phases.append(baseline)
-    with CacheEngine(config, meta) as engine_a:
-        lm_a = CachedLM(model, engine_a)
-        say("instance A: first request (cold cache)")
-        report.phases.append(_phase_cached(
-            "cold", "instance A, cold cache: a miss, its chunks stored",
-            lm_a, prompts[:1], reference[:1]))
-        say("instance A: the other requests")
-        report.phases.append(_phase_cached(
-            "warm_local", "instance A, warm: prefix from its local CPU tier",
-            lm_a, prompts[1:], reference[1:]))
-        engine_a.flush()
-    remote_only = dataclasses.replace(config, local_cpu=False)
-    with CacheEngine(remote_only, meta) as engine_b:
-        say("instance B (no local tier): every request")
-        report.phases.append(_phase_cached(
-            "warm_remote", "instance B, warm from A through Redis (no local tier)",
-            CachedLM(model, engine_b), prompts, reference))
-        engine_b.flush()
+    """Round 0 is the untimed warm-up; every other round adds its samples to the phases."""
+    with CacheEngine(config, meta) as engine_a, \
+            CacheEngine(dataclasses.replace(config, local_cpu=False), meta) as engine_b:
+        lm_a, lm_b = CachedLM(model, engine_a), CachedLM(model, engine_b)
+        say("warm-up: one untimed round through every path")
+        _round(model, lm_a, lm_b, rounds[0], _empty_phases())
+        for i, prompts in enumerate(rounds[1:], start=1):
+            say(f"round {i} of {len(rounds) - 1}: no cache, instance A (cold, then warm), "
+                "instance B (warm through Redis), each request paired with a no-cache run")
+            _round(model, lm_a, lm_b, prompts, report.phases)
 
 
-def _phase_no_cache(model: Any, prompts: list[torch.Tensor]
-                    ) -> tuple[Phase, list[torch.Tensor]]:
-    phase = Phase("no_cache", "no cache: the whole prompt computed", [], [], [], [])
-    refs = []
+def _round(model: Any, lm_a: CachedLM, lm_b: CachedLM, prompts: list[torch.Tensor],
+           phases: list[Phase]) -> None:
+    """One round: A's first request (a miss), A's others, then B's every request; each timed
+    right after its no-cache pair."""
+    no_cache, cold, warm_local, warm_remote = phases
+    plan = [(cold, lm_a, prompts[0]), *((warm_local, lm_a, p) for p in prompts[1:])]
+    for phase, lm, ids in plan:
+        _pair(model, no_cache, phase, lm, ids)
+    lm_a.engine.flush()
     for ids in prompts:
-        start = time.perf_counter()
-        with torch.no_grad():
-            logits = model(input_ids=ids.unsqueeze(0).to(model.device)).logits[0, -1]
-        phase.ttft_s.append(time.perf_counter() - start)
-        phase.hit_tokens.append(0)
-        phase.prompt_tokens.append(len(ids))
-        phase.store_s.append(0.0)
-        refs.append(logits.float().cpu())
-    return phase, refs
+        _pair(model, no_cache, warm_remote, lm_b, ids)
 
 
-def _phase_cached(name: str, description: str, lm: CachedLM, prompts: list[torch.Tensor],
-                  reference: list[torch.Tensor]) -> Phase:
-    phase = Phase(name, description, [], [], [], [])
-    for ids, ref in zip(prompts, reference, strict=True):
-        batch = ids.unsqueeze(0)
+def _pair(model: Any, no_cache: Phase, phase: Phase, lm: CachedLM, ids: torch.Tensor) -> None:
+    """A no-cache run of `ids`, then the cached one, both timed by `_forward`."""
+    batch = ids.unsqueeze(0)
+    baseline, reference, _, _ = _forward(model, batch, None)
+    _record(no_cache, baseline, baseline, 0, len(ids), 0.0, reference, reference)
+    ttft, logits, hit, cache = _forward(model, batch, lm)
+    start = time.perf_counter()
+    lm.save(batch, cache, skip=hit)
+    lm.engine.flush()  # the next request's timing must not share the CPU with this store
+    _record(phase, ttft, baseline, hit, len(ids), time.perf_counter() - start, logits, reference)
+
+
+def _forward(model: Any, batch: torch.Tensor, lm: CachedLM | None
+             ) -> tuple[float, torch.Tensor, int, Any]:
+    """(TTFT, next-token logits, hit tokens, the model's cache) of one request: the cache's
+    lookup and load when there is one (`lm`), then the same model call on what is left."""
+    with torch.no_grad():
         start = time.perf_counter()
-        cache, hit = lm.load(batch)
-        logits = lm.forward_suffix(batch, cache, hit).logits[0, -1].float().cpu()
-        phase.ttft_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        lm.save(batch, cache, skip=hit)
-        lm.engine.flush()  # the next request's timing must not share the CPU with this store
-        phase.store_s.append(time.perf_counter() - start)
-        phase.hit_tokens.append(hit)
-        phase.prompt_tokens.append(len(ids))
-        phase.max_logit_diff = max(phase.max_logit_diff, float((logits - ref).abs().max()))
-        phase.same_next_token &= bool(logits.argmax() == ref.argmax())
-    return phase
+        if lm is None:
+            out = model(input_ids=batch.to(model.device), use_cache=True)
+            hit, cache = 0, out.past_key_values
+        else:
+            cache, hit = lm.load(batch)
+            out = lm.forward_suffix(batch, cache, hit)
+        logits = out.logits[0, -1].float().cpu()
+        return time.perf_counter() - start, logits, hit, cache
+
+
+def _record(phase: Phase, ttft: float, paired: float, hit: int, prompt: int, store: float,
+            logits: torch.Tensor, reference: torch.Tensor) -> None:
+    phase.ttft_s.append(ttft)
+    phase.paired_s.append(paired)
+    phase.hit_tokens.append(hit)
+    phase.prompt_tokens.append(prompt)
+    phase.store_s.append(store)
+    phase.max_logit_diff = max(phase.max_logit_diff, float((logits - reference).abs().max()))
+    phase.same_next_token &= bool(logits.argmax() == reference.argmax())

@@ -2,30 +2,38 @@
 
     --kv-transfer-config '{"kv_connector": "LmcrConnector",
         "kv_connector_module_path": "lmcache_remote.integrations.vllm",
-        "kv_role": "kv_both",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"config_file": "/etc/lmcr.yaml"}}'
 
 This module is the only one that imports vLLM (its base classes, at import time). It turns
 vLLM's objects into plain values and hands them to `vllm_core`, where the logic lives:
-`SchedulerSide` in the scheduler process, `WorkerSide` in each worker. The hooks and who calls
-them (vLLM's `kv_connector/v1/base.py`):
+`SchedulerSide` (with a `PrefixLookup`) in the scheduler process, `WorkerSide` in each worker.
+It follows the hook order of vLLM 0.33.0, the release it is tested inside
+(`tests/vllm_real/`):
 
-- scheduler: `get_num_new_matched_tokens` -> `update_state_after_alloc` ->
-  `build_connector_meta` every step; `request_finished` once per request.
-- worker, every step: `bind_connector_metadata` -> `start_load_kv` -> per attention layer
-  `wait_for_layer_load` (before it) and `save_kv_layer` (after it) -> `wait_for_save` ->
-  `get_finished` -> `get_block_ids_with_load_errors` -> `clear_connector_metadata`.
+- scheduler: `get_num_new_matched_tokens` (repeated while a request waits: one Redis round
+  trip each) -> `update_state_after_alloc` -> `build_connector_meta` every step;
+  `request_finished` once per request.
+- worker, every step (`KVConnectorModelRunnerMixin`): `bind_connector_metadata` (the plans
+  are taken here) -> `start_load_kv` before the forward when the step has a synchronous load,
+  after it otherwise -> per attention layer (`maybe_transfer_kv_layer`) `wait_for_layer_load`
+  before it and `save_kv_layer` after it -> `wait_for_save` -> `get_finished` ->
+  `get_block_ids_with_load_errors` -> `clear_connector_metadata`. A step with no forward
+  (`kv_connector_no_forward`) runs the same hooks without the per-layer ones.
 
-Loads and stores complete within the step (stores reach Redis through the engine's
-write-behind queue from CPU copies), so `request_finished` lets vLLM free blocks at once and
-`get_finished` has nothing to report. A failed load is reported through
-`get_block_ids_with_load_errors`, and vLLM recomputes those blocks; no hook raises for a cache
-or Redis failure.
+The geometry (layers, heads, head size, MLA, the values' dtype) comes from the KV cache spec on
+both sides, so the scheduler's keys are the workers'. Loads and stores complete within the
+step (stores reach Redis through the engine's write-behind queue from CPU copies), so
+`request_finished` lets vLLM free blocks at once and `get_finished` has nothing to report. A
+failed load is reported through `get_block_ids_with_load_errors`; with vLLM's
+`kv_load_failure_policy: recompute` vLLM recomputes those blocks (with its default, `fail`,
+it fails the request: the connector warns at start-up). No hook raises for a cache or Redis
+failure. While layer-wise transfer is on (the default), `requires_piecewise_for_cudagraph`
+asks vLLM for piecewise CUDA graphs: under full graphs the per-layer hooks would be skipped.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -37,18 +45,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from lmcache_remote.engine import CacheEngine
 from lmcache_remote.integrations.vllm_core import (
     ROLES,
     CachedRequest,
+    ConnectorSettings,
     KVGeometry,
     NewRequest,
+    PrefixLookup,
     RequestPlan,
     SchedulerSide,
     WorkerSide,
     cache_torch_dtype,
     load_settings,
-    lookup_over_ranks,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,10 +65,12 @@ __all__ = ["LmcrConnector", "LmcrConnectorMetadata"]
 
 
 class LmcrConnectorMetadata(KVConnectorMetadata):
-    """One step's plans, sent by the scheduler to every worker."""
+    """One step's plans, sent by the scheduler to every worker, and the requests vLLM
+    preempted in this step (their blocks are about to be reused)."""
 
-    def __init__(self, requests: list[RequestPlan]) -> None:
+    def __init__(self, requests: list[RequestPlan], preempted: set[str] | None = None) -> None:
         self.requests = requests
+        self.preempted = preempted or set()
 
 
 class LmcrConnector(KVConnectorBase_V1):
@@ -79,35 +89,51 @@ class LmcrConnector(KVConnectorBase_V1):
         model = self._settings.model_name or str(vllm_config.model_config.model)
         parallel = vllm_config.parallel_config
         world_size = int(getattr(parallel, "world_size", 1) or 1)
-        self._lookup_engines: list[CacheEngine] = []
+        self._geometry = _spec_geometry(vllm_config, kv_cache_config)
+        self._lookup: PrefixLookup | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            geometry = _scheduler_geometry(vllm_config, kv_cache_config)
-            self._lookup_engines = _lookup_engines(self._settings.config, geometry, model,
-                                                   world_size)
+            _warn_on_fail_policy(transfer)
+            self._lookup = _prefix_lookup(self._settings, self._geometry, model, world_size)
             self._scheduler = SchedulerSide(
-                lookup_over_ranks(self._lookup_engines), self._settings.config.chunk_size,
+                self._lookup, self._settings.config.chunk_size,
                 int(vllm_config.cache_config.block_size),
                 save_unfull_chunk=self._settings.config.save_unfull_chunk,
                 can_load=can_load, can_save=can_save,
+                async_load_min_tokens=self._settings.async_load_min_tokens,
+                async_save=self._settings.async_save,
+                lookup_wait_s=(None if self._settings.lookup_wait_ms is None
+                               else self._settings.lookup_wait_ms / 1000),
             )
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
             self._worker = WorkerSide(self._settings, model, world_size, rank, can_save=can_save)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True while layer-wise transfer is on (the default): the per-layer hooks run in
+        Python between graph pieces and would be skipped on a full CUDA graph's replay."""
+        layerwise = (extra_config or {}).get("layerwise", True)
+        return layerwise is not False
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a dropped store is a later cache miss, never a lost hand-off."""
+        return False
+
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._worker_side()
-        worker.register(kv_caches)
-        try:
-            expected = _scheduler_geometry(self._vllm_config, self._kv_cache_config)
-        except Exception:  # the config lacks what the scheduler would read: nothing to compare
-            return
-        if expected != worker.geometry:
-            logger.warning("KV caches are %s but the scheduler assumes %s: its lookups will "
-                           "miss", worker.geometry, expected)
+        self._register(worker, kv_caches)
+        if self._geometry is not None and self._geometry != worker.geometry:
+            logger.warning("KV caches are %s but the KV cache spec says %s: the scheduler's "
+                           "lookups will miss", worker.geometry, self._geometry)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker_side().begin_step(list(getattr(connector_metadata, "requests", [])))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         worker = self._worker_side()
@@ -115,9 +141,8 @@ class LmcrConnector(KVConnectorBase_V1):
             caches = _caches_from_forward_context(forward_context)
             if not caches:
                 return
-            worker.register(caches)
-        plans = self._plans()
-        worker.start_load(plans)
+            self._register(worker, caches)
+        worker.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker_side().wait_for_layer(layer_name)
@@ -131,7 +156,14 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                    set[str] | None]:
-        return None, None  # every transfer completes within its step
+        worker = self._worker_side()
+        worker.forget(finished_req_ids)
+        return worker.finished_stores() or None, worker.finished_loads() or None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        preempted = getattr(kv_connector_metadata, "preempted", None)
+        if preempted:
+            self._worker_side().wait_for_stores(preempted)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
@@ -139,8 +171,10 @@ class LmcrConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
-        for engine in self._lookup_engines:
-            engine.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._lookup is not None:
+            self._lookup.close()
 
     # -- scheduler side -----------------------------------------------------------------------
 
@@ -149,15 +183,19 @@ class LmcrConnector(KVConnectorBase_V1):
         if not _cacheable(request):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        n = self._scheduler_side().num_new_matched_tokens(
-            request.request_id, prompt, num_computed_tokens, getattr(request, "cache_salt", None)
-        )
-        return n, False
+        side = self._scheduler_side()
+        n = side.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens,
+                                        getattr(request, "cache_salt", None))
+        if n is None:
+            return None, False  # the lookup is still running: vLLM asks again later
+        return n, side.loads_async(n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
+        get_ids = getattr(blocks, "get_block_ids", None)
         self._scheduler_side().after_alloc(request.request_id, num_external_tokens,
-                                           getattr(request, "cache_salt", None))
+                                           getattr(request, "cache_salt", None),
+                                           _group0(get_ids()) if get_ids else None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         new = [NewRequest(r.req_id, list(r.prompt_token_ids or []), _group0(r.block_ids) or [],
@@ -174,20 +212,20 @@ class LmcrConnector(KVConnectorBase_V1):
             new, again, scheduler_output.num_scheduled_tokens,
             getattr(scheduler_output, "finished_req_ids", ()) or (),
         )
-        return LmcrConnectorMetadata(plans)
+        return LmcrConnectorMetadata(
+            plans, set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool,
                                                                            dict[str, Any] | None]:
-        self._scheduler_side().finish(request.request_id)
-        return False, None
+        return self._scheduler_side().finish(request.request_id), None
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _plans(self) -> list[RequestPlan]:
-        if not self.has_connector_metadata():
-            return []
-        meta = self._get_connector_metadata()
-        return list(getattr(meta, "requests", []))
+    def _register(self, worker: WorkerSide, caches: Mapping[str, torch.Tensor]) -> None:
+        geometry = self._geometry
+        worker.register(caches, use_mla=bool(geometry and geometry.use_mla),
+                        dtype=geometry.dtype if geometry else None,
+                        block_size=int(self._vllm_config.cache_config.block_size))
 
     def _worker_side(self) -> WorkerSide:
         if self._worker is None:
@@ -219,33 +257,66 @@ def _group0(block_ids: Any) -> list[int] | None:
     return list(block_ids)
 
 
-def _scheduler_geometry(vllm_config: Any, kv_cache_config: Any | None) -> KVGeometry:
-    """The workers' KV geometry as the scheduler can know it: from the KV cache config's first
-    group when vLLM passes one, else from the model config."""
+def _spec_geometry(vllm_config: Any, kv_cache_config: Any | None) -> KVGeometry | None:
+    """The workers' KV geometry as both sides know it from vLLM's KV cache spec (one group:
+    the connector is not `SupportsHMA`, so vLLM runs without the hybrid allocator). MLA is an
+    `MLAAttentionSpec` (one latent per token); the dtype is that of the values, fp8 named as
+    such (`cache_torch_dtype`), never the uint8 of vLLM's tensors. From the model config when
+    vLLM passes no KV cache config; None when neither says enough."""
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(f"LmcrConnector needs a single KV cache group, got {len(groups)}: "
+                         "models with several attention types are not supported")
     if groups:
         spec = groups[0].kv_cache_spec
-        use_mla = type(spec).__name__ == "MLAAttentionSpec" or bool(getattr(spec, "use_mla",
-                                                                            False))
-        layers = sum(len(g.layer_names) for g in groups)
-        return KVGeometry(layers, int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
+        use_mla = _is_mla(spec)
+        head_v = getattr(spec, "head_size_v", None)
+        if not use_mla and head_v not in (None, spec.head_size):
+            raise ValueError(f"K head size {spec.head_size} != V head size {head_v}: not "
+                             "supported by LmcrConnector")
+        heads = 1 if use_mla else int(spec.num_kv_heads)
+        dtype = cache_torch_dtype(cache_dtype, spec.dtype)
+        return KVGeometry(len(groups[0].layer_names), heads, int(spec.head_size), dtype,
                           use_mla)
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    use_mla = bool(getattr(model, "use_mla", False))
-    dtype = cache_torch_dtype(str(vllm_config.cache_config.cache_dtype), model.dtype)
-    heads = 1 if use_mla else int(model.get_num_kv_heads(parallel))
-    return KVGeometry(int(model.get_num_layers(parallel)), heads, int(model.get_head_size()),
-                      dtype, use_mla)
+    try:
+        use_mla = bool(getattr(model, "use_mla", False))
+        dtype = cache_torch_dtype(cache_dtype, model.dtype)
+        heads = 1 if use_mla else int(model.get_num_kv_heads(parallel))
+        return KVGeometry(int(model.get_num_layers(parallel)), heads,
+                          int(model.get_head_size()), dtype, use_mla)
+    except (AttributeError, TypeError):  # a config without a model: the tensors will tell
+        return None
 
 
-def _lookup_engines(config: Any, geometry: KVGeometry, model: str,
-                    world_size: int) -> list[CacheEngine]:
-    """One Redis-only engine per rank namespace (one in all when MLA ranks share chunks)."""
-    lookup_config = dataclasses.replace(config, local_cpu=False, store_async=False)
-    shared = geometry.use_mla and config.save_only_first_rank
-    ranks = range(1 if shared else world_size)
-    return [CacheEngine(lookup_config, geometry.metadata(model, world_size, rank))
-            for rank in ranks]
+def _is_mla(spec: Any) -> bool:
+    return any(cls.__name__ == "MLAAttentionSpec" for cls in type(spec).__mro__)
+
+
+def _prefix_lookup(settings: ConnectorSettings, geometry: KVGeometry | None, model: str,
+                   world_size: int) -> PrefixLookup:
+    """The scheduler's lookup over every rank's namespace, one when MLA ranks share chunks
+    (`save_only_first_rank`: the namespace of a single-rank engine, as the workers use)."""
+    if geometry is None:
+        raise ValueError("LmcrConnector's scheduler side needs the KV cache config or the "
+                         "model config to know the workers' KV geometry")
+    config = settings.config
+    if geometry.use_mla and config.save_only_first_rank:
+        namespaces = [geometry.metadata(model, 1, 0).namespace]
+    else:
+        namespaces = [geometry.metadata(model, world_size, rank).namespace
+                      for rank in range(world_size)]
+    return PrefixLookup(config, geometry.metadata(model, world_size, 0).layout, namespaces)
+
+
+def _warn_on_fail_policy(transfer: Any) -> None:
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    if policy == "fail":
+        logger.warning(
+            "kv_load_failure_policy is 'fail' (vLLM's default): a chunk evicted from Redis "
+            "between lookup and load will fail the user's request instead of recomputing it. "
+            "Set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config.")
 
 
 def _caches_from_forward_context(forward_context: Any) -> Mapping[str, torch.Tensor]:

@@ -4,9 +4,9 @@ A Redis ACL user that lacks a command or a key pattern makes every store a dropp
 every retrieve a miss; counted, but easy to mistake for a cold cache. `check_access(config)`
 tells at once: on a connection of its own (never the engine's health gate), bounded by
 `remote_timeout`, it sends one pipeline: PING, then MSET, SET PX, EVAL (write with expiry),
-EXISTS, GET and
-UNLINK on a probe key under the prefix (`keys.probe_key`, written and deleted in the same
-round trip, with a 10 s expiry in case the UNLINK never runs). It raises
+EXISTS, GET, GETRANGE and UNLINK on a probe key under the prefix (`keys.probe_key`, written
+and deleted in the same round trip, with a 10 s expiry in case the UNLINK never runs). It
+raises
 
 - `BackendPermissionError` naming every refused command (or the failed login), with the
   redis-py message (never the password);
@@ -30,15 +30,15 @@ from lmcache_remote.keys import probe_key
 from lmcache_remote.storage.client import make_client, translate
 from lmcache_remote.storage.redis_tier import chunk_write_command
 
-#: Commands the engine sends (chunks: EXISTS GET SET MSET UNLINK, and EVAL of a script that
-#: SETs a multi-part chunk's values with PX when `remote_ttl` is set; fleet stats: HSET EXPIRE;
-#: the access check: PING).
-ENGINE_COMMANDS = ("ping", "exists", "get", "set", "mset", "eval", "unlink", "hset", "expire")
+#: Commands the engine sends (chunks: EXISTS GET SET MSET UNLINK, GETRANGE of the header of a
+#: chunk cut into other parts than planned, and EVAL of a script that SETs a multi-part chunk's
+#: values with PX when `remote_ttl` is set; fleet stats: HSET EXPIRE; the access check: PING).
+ENGINE_COMMANDS = ("ping", "exists", "get", "getrange", "set", "mset", "eval", "unlink", "hset",
+                   "expire")
 #: Commands the CLI adds (listing, inspecting, exporting, stats, eviction).
-ADMIN_COMMANDS = ("scan", "strlen", "getrange", "object|idletime", "pttl", "mget", "hgetall",
-                  "info")
+ADMIN_COMMANDS = ("scan", "strlen", "object|idletime", "pttl", "mget", "hgetall", "info")
 _PROBE_TTL_MS = 10_000
-_PROBE = ("mset", "set", "eval", "exists", "get", "unlink")
+_PROBE = ("mset", "set", "eval", "exists", "get", "getrange", "unlink")
 
 
 def check_access(config: CacheConfig) -> None:
@@ -78,5 +78,6 @@ def _probe(client: Any, key: str) -> list[Any]:
     pipe.execute_command(*chunk_write_command([key], [b"lmcr-probe"], _PROBE_TTL_MS, script=True))
     pipe.exists(key)
     pipe.get(key)
+    pipe.getrange(key, 0, 79)
     pipe.unlink(key)
     return list(pipe.execute(raise_on_error=False))

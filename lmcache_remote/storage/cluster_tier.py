@@ -164,10 +164,12 @@ class ClusterRedisTier(RedisTier):
             return []
         key_lists = [self._keys(s) for s in specs]
         results = self._run([("EXISTS", *keys) for keys in key_lists], "lookup")
-        return [
-            r is not FAILED and not isinstance(r, Exception) and int(r) == len(keys)
-            for r, keys in zip(results, key_lists, strict=True)
-        ]
+        counts = [None if r is FAILED or isinstance(r, Exception) else int(r) for r in results]
+        return self._present(specs, key_lists, counts)
+
+    def _lookup_run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """`RedisTier._lookup_run` per node (a failed node's replies are `FAILED`)."""
+        return self._run(list(commands), "lookup", bulk=False)
 
     def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
         flat = self._run([("GET", key) for keys in key_lists for key in keys], "get", bulk=False)

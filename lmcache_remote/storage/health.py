@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 
 class HealthGate:
     """Thread-safe circuit breaker with exponential back-off and a single probe."""
 
-    def __init__(self, backoff: float, max_backoff: float = 30.0) -> None:
+    def __init__(self, backoff: float, max_backoff: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: seconds, never going back (tests pass one they advance by hand)."""
+        self._clock = clock
         self._base = backoff
         self._max = max(max_backoff, backoff)
         self._lock = threading.Lock()
@@ -32,7 +36,7 @@ class HealthGate:
         with self._lock:
             if self._failures == 0:
                 return True
-            if self._probing or time.monotonic() < self._until:
+            if self._probing or self._clock() < self._until:
                 return False
             self._probing = True
             return True
@@ -48,12 +52,12 @@ class HealthGate:
         threads hitting the same dead server) must not double it once each, or a short outage
         would keep the tier skipped for `max_backoff`."""
         with self._lock:
-            if self._failures and not self._probing and time.monotonic() < self._until:
+            if self._failures and not self._probing and self._clock() < self._until:
                 return
             self._failures += 1
             self._probing = False
             delay = min(self._max, self._base * 2 ** min(self._failures - 1, 16))
-            self._until = time.monotonic() + delay
+            self._until = self._clock() + delay
 
     def reset(self) -> None:
         """Forget past failures (used after an explicit reconnect)."""

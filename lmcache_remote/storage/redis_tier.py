@@ -7,6 +7,11 @@ part count follows from the chunk's raw size, so every key of a chunk is known b
 round trip.
 
 - `contains`: one pipeline of `EXISTS key part1 ...` per chunk; present = all parts there.
+  A chunk with only some of its planned keys there may have been cut another way by another
+  writer: for those chunks alone, its header's part count decides (two more round trips), so
+  `contains` counts what `get` reads (one limit: a chunk cut into more parts than planned is
+  counted by its planned keys; a later part of it evicted is found, and the chunk deleted, by
+  the `get`; docs/value-format.md).
 - `get`: pipelined GETs in windows of about `_WINDOW_BYTES`; each value is decoded and checked
   against the key (hash, dtype, shape, token count, every part's checksum). The first missing
   or bad chunk ends the run; a bad one is counted and deleted so nobody trips on it again.
@@ -41,7 +46,14 @@ from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.serde import Serde, ValueHeader, header_nbytes
+from lmcache_remote.serde import (
+    FORMAT_VERSION,
+    HEADER_FIXED,
+    MAGIC,
+    Serde,
+    ValueHeader,
+    header_nbytes,
+)
 from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.client import RemoteCaller, make_client
@@ -102,6 +114,21 @@ def _regroup(flat: Sequence[Any], key_lists: Sequence[Sequence[str]]) -> list[li
         out.append(list(flat[pos:pos + len(keys)]))
         pos += len(keys)
     return out
+
+
+def _listed_part_count(spec: ChunkSpec, head: Any) -> int | None:
+    """The part count a chunk's fixed header lists, if the header is one of this format for
+    this chunk (magic, version, token count and chunk hash); None otherwise (`get` would not
+    serve it either). The rest of the header is checked when the chunk is read."""
+    if not isinstance(head, bytes) or len(head) < HEADER_FIXED.size:
+        return None
+    fields = HEADER_FIXED.unpack_from(head)
+    magic, version, num_tokens, chunk_hash, part_count = (
+        fields[0], fields[1], fields[13], fields[14], fields[17])
+    if (magic != MAGIC or version != FORMAT_VERSION or num_tokens != spec.num_tokens
+            or chunk_hash != spec.key.hash_bytes or part_count < 1):
+        return None
+    return int(part_count)
 
 
 def _nbytes(value: Any) -> int:
@@ -196,7 +223,45 @@ class RedisTier(StorageTier):
             return pipe.execute()
 
         counts = self.caller.call(op)
-        return [int(c) == len(k) for c, k in zip(counts, key_lists, strict=True)]
+        return self._present(specs, key_lists, [int(c) for c in counts])
+
+    def _present(self, specs: Sequence[ChunkSpec], key_lists: Sequence[Sequence[str]],
+                 counts: Sequence[int | None]) -> list[bool]:
+        """Which chunks are present, from the `EXISTS` count of each one's planned keys (None:
+        not known, its node failed). All planned keys there: present, no more questions. Some
+        but not all: the chunk may have been cut another way by another writer (its header
+        says how, and `get` follows the header), so those chunks alone cost a second round
+        trip (`GETRANGE` of the fixed header: its part count) and a third (`EXISTS` of the
+        keys it lists); present when all of those are there."""
+        present = [c == len(k) for c, k in zip(counts, key_lists, strict=True)]
+        odd = [i for i, (c, k) in enumerate(zip(counts, key_lists, strict=True))
+               if c is not None and 0 < c < len(k)]
+        if not odd:
+            return present
+        heads = self._lookup_run([("GETRANGE", key_lists[i][0], 0, HEADER_FIXED.size - 1)
+                                  for i in odd])
+        listed: list[tuple[int, list[str]]] = []
+        for i, head in zip(odd, heads, strict=True):
+            count = _listed_part_count(specs[i], head)
+            if count is not None and count != len(key_lists[i]):
+                listed.append((i, specs[i].key.part_keys(self.prefix, count)))
+        replies = self._lookup_run([("EXISTS", *keys) for _, keys in listed])
+        for (i, keys), reply in zip(listed, replies, strict=True):
+            present[i] = isinstance(reply, int) and reply == len(keys)
+        return present
+
+    def _lookup_run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """The replies of a few lookup commands (one pipeline); an error answer is its reply."""
+        if not commands:
+            return []
+
+        def op() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(pipe.execute(raise_on_error=False))
+
+        return list(self.caller.call(op))
 
     def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
         out: list[MemoryObj] = []

@@ -20,7 +20,10 @@ class Span:
 
 @dataclasses.dataclass
 class RequestPlan:
-    """One request's transfers in one step (picklable: vLLM sends it to every worker)."""
+    """One request's transfers in one step (picklable: vLLM sends it to every worker).
+
+    `async_load`: the load runs in the background, for a request vLLM keeps waiting
+    (`WAITING_FOR_REMOTE_KVS`) until every worker reports it in `get_finished`."""
 
     req_id: str
     token_ids: list[int]
@@ -28,6 +31,7 @@ class RequestPlan:
     cache_salt: str | None = None
     load: Span | None = None
     save: Span | None = None
+    async_load: bool = False
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:

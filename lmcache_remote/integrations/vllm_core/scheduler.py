@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from lmcache_remote.engine import CacheEngine
+from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
 from lmcache_remote.metrics import RateLimitedLogger
 
@@ -47,8 +47,14 @@ class SchedulerSide:
 
     def __init__(self, lookup: Callable[[Sequence[int], str | None], int], chunk_size: int,
                  block_size: int, *, save_unfull_chunk: bool = False, can_load: bool = True,
-                 can_save: bool = True) -> None:
+                 can_save: bool = True, async_load_min_tokens: int | None = None,
+                 async_save: bool = False, lookup_wait_s: float | None = None) -> None:
         self._lookup = lookup
+        self._background = (BackgroundLookup(lookup, lookup_wait_s)
+                            if lookup_wait_s is not None else None)
+        self.async_save = async_save
+        self._saved: set[str] = set()  # requests with a store planned (async_save)
+        self.async_load_min_tokens = async_load_min_tokens
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.save_unfull_chunk = save_unfull_chunk
@@ -56,26 +62,45 @@ class SchedulerSide:
         self.can_save = can_save
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (num_computed, loadable end)
         self._loads: dict[str, Span] = {}
+        self._load_blocks: dict[str, list[int]] = {}  # for loads vLLM may run asynchronously
         self._salts: dict[str, str | None] = {}
+        self._prompts: dict[str, list[int]] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._log = RateLimitedLogger(logger)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
-                               cache_salt: str | None = None) -> int:
+                               cache_salt: str | None = None) -> int | None:
+        """The hit to claim; None (with `lookup_wait_s`) while the lookup is still running."""
         self._salts[req_id] = cache_salt
         if not self.can_load or len(prompt) < 2:
             return 0
         try:
-            hits = self._lookup(prompt, cache_salt)
+            if self._background is not None:
+                found = self._background(req_id, prompt, cache_salt)
+                if found is None:
+                    return None
+                hits = found
+            else:
+                hits = self._lookup(prompt, cache_salt)
         except Exception as exc:  # a lookup must never fail a request
             self._log.warning("lookup", "lookup failed, counted as a miss: %s", exc)
             return 0
         n = len(prompt)
         end = hits if hits < n else (n - 1) // self.chunk_size * self.chunk_size
         self._hits[req_id] = (num_computed, end)
+        self._prompts[req_id] = list(prompt)
         return max(0, end - num_computed)
 
-    def after_alloc(self, req_id: str, num_external: int, cache_salt: str | None = None) -> None:
+    def loads_async(self, num_tokens: int) -> bool:
+        """Whether a hit of `num_tokens` is offered to vLLM as an asynchronous load."""
+        limit = self.async_load_min_tokens
+        return limit is not None and num_tokens >= limit
+
+    def after_alloc(self, req_id: str, num_external: int, cache_salt: str | None = None,
+                    block_ids: Sequence[int] | None = None) -> None:
+        """vLLM allocated blocks (`block_ids`: all of the request's) for `num_external` hit
+        tokens. A load that vLLM runs asynchronously is planned from these blocks in the next
+        `build` (the request is not scheduled until it has arrived)."""
         self._salts[req_id] = cache_salt
         known = self._hits.get(req_id)
         if num_external <= 0 or known is None:
@@ -83,6 +108,8 @@ class SchedulerSide:
         num_computed = known[0]
         skip = num_computed // self.chunk_size * self.chunk_size
         self._loads[req_id] = Span(skip, num_computed, num_computed + num_external)
+        if block_ids is not None:
+            self._load_blocks[req_id] = list(block_ids)
 
     def build(self, new: Iterable[NewRequest], cached: Iterable[CachedRequest],
               num_scheduled: Mapping[str, int], finished: Iterable[str] = ()) -> list[RequestPlan]:
@@ -90,33 +117,90 @@ class SchedulerSide:
             self.finish(req_id)
         plans = []
         for req in new:
-            tracker = _Tracker(list(req.prompt_token_ids), list(req.block_ids),
-                               self._salts.get(req.req_id))
-            tracker.stored_end = self._hits.get(req.req_id, (0, 0))[1]
-            self._trackers[req.req_id] = tracker
+            tracker = self._trackers.get(req.req_id)  # known: its load ran asynchronously
+            if tracker is None:
+                tracker = _Tracker(list(req.prompt_token_ids), list(req.block_ids),
+                                   self._salts.get(req.req_id))
+                tracker.stored_end = self._hits.get(req.req_id, (0, 0))[1]
+                self._trackers[req.req_id] = tracker
+            else:
+                tracker.block_ids = list(req.block_ids)
+                self._roll_back(tracker, req.num_computed_tokens)
+            self._load_blocks.pop(req.req_id, None)
             end = req.num_computed_tokens + num_scheduled.get(req.req_id, 0)
             plans.append(self._plan(req.req_id, tracker, end))
         for creq in cached:
             known = self._trackers.get(creq.req_id)
             if known is None:
                 continue
+            self._roll_back(known, creq.num_computed_tokens)
+            self._load_blocks.pop(creq.req_id, None)
             if creq.resumed:
                 known.block_ids = list(creq.new_block_ids or [])
             elif creq.new_block_ids:
                 known.block_ids.extend(creq.new_block_ids)
             end = creq.num_computed_tokens + num_scheduled.get(creq.req_id, 0)
             plans.append(self._plan(creq.req_id, known, end))
+        plans.extend(self._async_loads())
         return [p for p in plans if p is not None]
 
-    def finish(self, req_id: str) -> None:
+    def _roll_back(self, tracker: _Tracker, num_computed: int) -> None:
+        """vLLM rolled the request back when it computes less than was counted as stored (a
+        load came back short and is recomputed, or a preempted request resumed with a shorter
+        hit): what it computes again is stored again, from the chunk it restarts in. Chunks
+        still in Redis are skipped by the store's existence check."""
+        if num_computed < tracker.stored_end:
+            tracker.stored_end = num_computed // self.chunk_size * self.chunk_size
+
+    def _async_loads(self) -> list[RequestPlan | None]:
+        """Loads promised in `after_alloc` for requests this step does not schedule: vLLM
+        runs them asynchronously. The request's tracker starts here, with its hit counted as
+        stored."""
+        plans: list[RequestPlan | None] = []
+        for req_id, block_ids in list(self._load_blocks.items()):
+            load = self._loads.pop(req_id, None)
+            del self._load_blocks[req_id]
+            prompt = self._prompts.pop(req_id, None)
+            self._hits.pop(req_id, None)
+            if load is None or prompt is None:
+                continue
+            tracker = _Tracker(list(prompt), list(block_ids), self._salts.get(req_id),
+                               stored_end=load.end)
+            self._trackers[req_id] = tracker
+            try:
+                slots = slot_mapping(block_ids, self.block_size, load.end)
+            except ValueError as exc:
+                self._log.warning("plan", "request %s skipped: %s", req_id, exc)
+                plans.append(None)
+                continue
+            plans.append(RequestPlan(req_id, tracker.prompt[:load.end], slots, tracker.salt,
+                                     load, None, async_load=True))
+        return plans
+
+    def finish(self, req_id: str) -> bool:
+        """Forget the request; True when vLLM must keep its blocks until the workers report
+        its stores done (`async_save` and a store was planned: every worker applies the same
+        rule to the same plans, so each reports it)."""
+        delay = req_id in self._saved
+        self._saved.discard(req_id)
+        if self._background is not None:
+            self._background.forget(req_id)
         self._hits.pop(req_id, None)
         self._loads.pop(req_id, None)
+        self._load_blocks.pop(req_id, None)
+        self._prompts.pop(req_id, None)
         self._salts.pop(req_id, None)
         self._trackers.pop(req_id, None)
+        return delay
+
+    def close(self) -> None:
+        if self._background is not None:
+            self._background.close()
 
     def _plan(self, req_id: str, tracker: _Tracker, computed_end: int) -> RequestPlan | None:
         load = self._loads.pop(req_id, None)
         self._hits.pop(req_id, None)
+        self._prompts.pop(req_id, None)
         save = self._save_span(tracker, computed_end) if self.can_save else None
         if load is None and save is None:
             return None
@@ -128,6 +212,8 @@ class SchedulerSide:
             return None
         if save is not None:
             tracker.stored_end = save.end
+            if self.async_save:
+                self._saved.add(req_id)
         return RequestPlan(req_id, tracker.prompt[:n], slots, tracker.salt, load, save)
 
     def _save_span(self, tracker: _Tracker, computed_end: int) -> Span | None:
@@ -140,12 +226,3 @@ class SchedulerSide:
         start = tracker.stored_end // self.chunk_size * self.chunk_size
         return Span(start, tracker.stored_end, end)
 
-
-def lookup_over_ranks(engines: Sequence[CacheEngine]) -> Callable[[Sequence[int], str | None],
-                                                                    int]:
-    """A lookup that counts a token only when every rank's namespace holds it."""
-
-    def lookup(tokens: Sequence[int], salt: str | None) -> int:
-        return min(engine.lookup(tokens, cache_salt=salt) for engine in engines)
-
-    return lookup

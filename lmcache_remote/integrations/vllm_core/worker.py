@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -19,6 +21,9 @@ from lmcache_remote.integrations.vllm_core.settings import (
 from lmcache_remote.metrics import RateLimitedLogger
 
 logger = logging.getLogger(__name__)
+#: Background stores (async_save) that may wait for the saver thread at once. Their chunk
+#: buffers come from the memory budget; this bounds the tasks (and the blocks they keep).
+MAX_WAITING_STORES = 64
 
 
 class WorkerSide:
@@ -40,7 +45,16 @@ class WorkerSide:
         self._plans: list[RequestPlan] = []
         self._loads: list[_PendingLoad] = []
         self._stores: list[_PendingStore] = []
+        self._loads_started = False
         self._stores_started = False
+        self._gaps: dict[str, int] = {}  # request -> first planned token that did not load
+        self._async_plans: list[RequestPlan] = []
+        self._recving: dict[str, Future[set[int]]] = {}  # background loads, not yet reported
+        self._loader: ThreadPoolExecutor | None = None
+        self._saver: ThreadPoolExecutor | None = None
+        self._saving: dict[str, list[Future[None]]] = {}  # background stores per request
+        self._save_reqs: set[str] = set()  # requests with a store planned (async_save)
+        self._finishing: set[str] = set()  # finished by vLLM, stores maybe still running
         self._errors: set[int] = set()
         self._log = RateLimitedLogger(logger)
 
@@ -48,13 +62,17 @@ class WorkerSide:
     def registered(self) -> bool:
         return self.engine is not None
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: Mapping[str, torch.Tensor], *, use_mla: bool,
+                 dtype: torch.dtype | None = None, block_size: int | None = None) -> None:
+        """Take the per-layer caches (in layer order). `use_mla` and `dtype` come from the KV
+        cache spec (see `layer_view`); `block_size` is the scheduler's block size, in which
+        block ids are reported (default: the tensors' own)."""
         if not kv_caches:
             raise ValueError("no KV cache layers to register")
         if self.engine is not None:  # registered again (new caches): start over
             self.close()
             self.engine = None
-        views = [layer_view(t) for t in kv_caches.values()]
+        views = [layer_view(t, use_mla=use_mla, dtype=dtype) for t in kv_caches.values()]
         layouts = {layout for _, layout in views}
         if len(layouts) != 1:
             raise ValueError(f"KV cache layers mix layouts {sorted(layouts)}")
@@ -62,47 +80,128 @@ class WorkerSide:
         self._layers = [v for v, _ in views]
         self._layout = layouts.pop()
         probe = PagedKV(self._layers, [], layout=self._layout)
-        self._block_size = probe.block_size
+        self._block_size = block_size or probe.block_size
         self.geometry = KVGeometry(probe.num_layers, probe.num_kv_heads, probe.head_size,
                                    probe.dtype, self._layout == "mla")
         meta = self.geometry.metadata(self.model_name, self.world_size, self.rank)
         self.engine = CacheEngine(self.settings.config, meta)
 
-    def start_load(self, plans: Sequence[RequestPlan]) -> None:
-        self._finish_loads()  # nothing may survive from an earlier step
+    def begin_step(self, plans: Sequence[RequestPlan]) -> None:
+        """The step's plans, as vLLM binds them before the forward. Everything of the last
+        step ends here (its loads finished, unstarted stores dropped): nothing may outlive it.
+
+        A request whose load came back short has a gap: its KV after the gap is computed over
+        missing tokens until vLLM has rolled it back and recomputes. Its stores that start
+        past the gap are dropped (with asynchronous scheduling a step planned before vLLM saw
+        the failure still runs); a plan whose store starts at or before the gap was made after
+        the rollback and ends it, as does a new load (a resumed request) or its end."""
+        self._finish_loads()
         self._abort_stores()
-        self._plans = list(plans)
+        self._plans = [p for p in plans if not p.async_load]
+        self._async_plans = [p for p in plans if p.async_load]
+        self._loads_started = False
         self._stores_started = False
+        for plan in self._plans:
+            if plan.save is not None and self.settings.async_save:
+                self._save_reqs.add(plan.req_id)
+            gap = self._gaps.get(plan.req_id)
+            if gap is not None and (plan.load is not None
+                                    or (plan.save is not None and plan.save.start <= gap)):
+                del self._gaps[plan.req_id]
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Requests vLLM finished: nothing is kept for them (their background stores are
+        reported by `finished_stores` once done)."""
+        for req_id in req_ids:
+            self._gaps.pop(req_id, None)
+            if req_id in self._save_reqs:
+                self._save_reqs.discard(req_id)
+                self._finishing.add(req_id)
+
+    def finished_stores(self) -> set[str]:
+        """Finished requests whose background stores are all done: vLLM may free their
+        blocks now (a failed store counts as done: it is dropped, the blocks are freed)."""
+        done = {r for r in self._finishing
+                if all(f.done() for f in self._saving.get(r, ()))}
+        for req_id in done:
+            self._finishing.discard(req_id)
+            self._saving.pop(req_id, None)
+        return done
+
+    def wait_for_stores(self, req_ids: Iterable[str]) -> None:
+        """Block until these requests' background stores are done (vLLM preempted them: their
+        blocks are about to be reused)."""
+        for req_id in req_ids:
+            futures = self._saving.pop(req_id, [])
+            for future in futures:
+                future.exception()  # waits; the store logs its own failure
+            if req_id in self._finishing:
+                self._saving[req_id] = futures  # still to be reported as finished
+
+    def start_load(self) -> None:
+        """Start this step's loads (once; later calls do nothing). vLLM calls it before the
+        forward in steps with a synchronous load, after it otherwise: a step whose plans
+        load anything is always one of the former, and `wait_for_layer` starts them too."""
+        if self._loads_started or not self.registered:
+            return
+        self._loads_started = True
+        for plan in self._async_plans:
+            self._submit(plan)
+        self._async_plans = []
         for plan in self._plans:
             if plan.load is not None and plan.load.end > plan.load.start:
                 self._guard(plan, "load", self._start_one_load)
 
+    def finished_loads(self) -> set[str]:
+        """Requests whose background load is over (loaded, short or failed: vLLM must learn
+        of each once); their missing blocks join `take_load_errors` in the same step."""
+        done = {req_id for req_id, fut in self._recving.items() if fut.done()}
+        for req_id in done:
+            self._errors |= self._recving.pop(req_id).result()
+        return done
+
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
-        if layer is not None:
-            for pending in list(self._loads):
-                self._step_load(pending, layer + 1)
+        if layer is None:
+            return
+        self.start_load()
+        for pending in list(self._loads):
+            self._step_load(pending, layer + 1)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
-        if layer is None or not self.settings.layerwise or not self.can_save:
+        if (layer is None or not self.settings.layerwise or not self.can_save
+                or self.settings.async_save):
             return
         self._start_stores()
         for pending in list(self._stores):
-            self._step_store(pending, layer + 1)
+            if self._over_gap(pending.plan):
+                self._drop_store(pending)
+            else:
+                self._step_store(pending, layer + 1)
 
     def wait_for_save(self) -> None:
+        self.start_load()
         self._finish_loads()
         if not self.can_save:
+            return
+        if self.settings.async_save:
+            event = _step_event(self._layers)
+            for plan in self._plans:
+                if plan.save is not None and not self._over_gap(plan):
+                    self._submit_store(plan, event)
             return
         if self.settings.layerwise:
             self._start_stores()
             for pending in list(self._stores):
-                self._step_store(pending, pending.total_steps)
+                if self._over_gap(pending.plan):
+                    self._drop_store(pending)
+                else:
+                    self._step_store(pending, pending.total_steps)
             self._stores = []
             return
         for plan in self._plans:
-            if plan.save is not None:
+            if plan.save is not None and not self._over_gap(plan):
                 self._guard(plan, "store", self._store_whole)
 
     def take_load_errors(self) -> set[int]:
@@ -113,8 +212,72 @@ class WorkerSide:
     def close(self) -> None:
         self._finish_loads()
         self._abort_stores()
+        for executor in (self._loader, self._saver):
+            if executor is not None:  # no access to the cache after this returns
+                executor.shutdown(wait=True)
+        self._loader = self._saver = None
         if self.engine is not None:
             self.engine.close()
+
+    # -- background loads -----------------------------------------------------------------------
+
+    def _submit(self, plan: RequestPlan) -> None:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-load")
+        self._recving[plan.req_id] = self._loader.submit(self._load_in_background, plan)
+
+    def _load_in_background(self, plan: RequestPlan) -> set[int]:
+        """A whole load on the loader thread; its missing blocks (touches no shared state but
+        the engine, which is thread-safe, and blocks vLLM holds until the load is reported)."""
+        span = _span(plan.load)
+        hit_end = 0
+        try:
+            with self._loader_stream():
+                hit = self._engine().retrieve(plan.token_ids[: span.end], self._kv(plan, span.end),
+                                              self._mask(span.skip, span.end),
+                                              cache_salt=plan.cache_salt)
+            hit_end = _hit_end(hit, span.skip)
+        except Exception as exc:
+            self._log.warning("load", "load of request %s failed: %s", plan.req_id, exc)
+        return self._missed_blocks(plan, hit_end)
+
+    def _submit_store(self, plan: RequestPlan, event: object | None) -> None:
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-save")
+        waiting = [f for fs in self._saving.values() for f in fs if not f.done()]
+        if len(waiting) >= MAX_WAITING_STORES:  # the saver cannot keep up: the step waits
+            self._engine().metrics.inc("vllm.save_backpressure_waits")
+            waiting[0].exception()
+        future = self._saver.submit(self._store_in_background, plan, event)
+        self._saving.setdefault(plan.req_id, []).append(future)
+        self._prune_done(plan.req_id)
+
+    def _prune_done(self, req_id: str) -> None:
+        """Keep a running request's list of background stores short."""
+        futures = self._saving.get(req_id, [])
+        if len(futures) > 1:
+            self._saving[req_id] = [f for f in futures[:-1] if not f.done()] + futures[-1:]
+
+    def _store_in_background(self, plan: RequestPlan, event: object | None) -> None:
+        """A whole store on the saver thread, after the step's forward (on CUDA its stream
+        first waits for `event`, recorded when the step's KV was written; untested)."""
+        try:
+            with self._loader_stream(event):
+                self._store_whole(plan)
+        except Exception as exc:
+            self._log.warning("store", "store of request %s failed: %s", plan.req_id, exc)
+
+    @contextlib.contextmanager
+    def _loader_stream(self, event: object | None = None) -> Iterator[None]:
+        """On CUDA, the loader's copies run on a stream of their own (untested: no GPU here)."""
+        if not self._layers or not self._layers[0].is_cuda:
+            yield
+            return
+        stream = torch.cuda.Stream(self._layers[0].device)  # one per transfer: threads differ
+        if event is not None:
+            stream.wait_event(event)  # type: ignore[arg-type]
+        with torch.cuda.stream(stream):
+            yield
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -168,14 +331,23 @@ class WorkerSide:
             self._step_load(pending, pending.num_layers)
 
     def _report_misses(self, plan: RequestPlan, hit_end: int) -> None:
-        """Blocks of the planned tokens that were not loaded: vLLM recomputes from there."""
+        """Blocks of the planned tokens that were not loaded: vLLM recomputes from there. The
+        request's stores past the gap wait for the rollback (`begin_step`)."""
+        missed = self._missed_blocks(plan, hit_end)
+        if missed:
+            first = max(hit_end, _span(plan.load).start)
+            self._gaps[plan.req_id] = min(first, self._gaps.get(plan.req_id, first))
+            self._errors |= missed
+
+    def _missed_blocks(self, plan: RequestPlan, hit_end: int) -> set[int]:
         span = _span(plan.load)
         first = max(hit_end, span.start)
-        if first < span.end:
-            slots = plan.slot_mapping[first: span.end]
-            self._errors.update(int(b) for b in torch.unique(slots // self._block_size))
-            if self.engine is not None:
-                self.engine.metrics.inc("vllm.load_error_tokens", span.end - first)
+        if first >= span.end:
+            return set()
+        if self.engine is not None:
+            self.engine.metrics.inc("vllm.load_error_tokens", span.end - first)
+        slots = plan.slot_mapping[first: span.end]
+        return {int(b) for b in torch.unique(slots // self._block_size)}
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -212,6 +384,18 @@ class WorkerSide:
             pending.gen.close()
         self._stores = []
 
+    def _over_gap(self, plan: RequestPlan) -> bool:
+        """Whether the plan's store covers KV computed over a gap not yet recomputed."""
+        gap = self._gaps.get(plan.req_id)
+        return gap is not None and plan.save is not None and plan.save.start > gap
+
+    def _drop_store(self, pending: _PendingStore) -> None:
+        pending.gen.close()
+        if pending in self._stores:
+            self._stores.remove(pending)
+        if self.engine is not None:
+            self.engine.metrics.inc("vllm.dropped_store_requests")
+
     def _store_whole(self, plan: RequestPlan) -> None:
         span = _span(plan.save)
         self._engine().store(plan.token_ids[: span.end], self._kv(plan, span.end),
@@ -241,6 +425,16 @@ class _PendingStore:
     gen: Generator[int | None, None, None]
     total_steps: int
     steps_done: int = 0
+
+
+def _step_event(layers: Sequence[torch.Tensor]) -> object | None:
+    """On CUDA, an event recorded now on the current stream: the point the step's KV is
+    written at, which background copies must wait for."""
+    if not layers or not layers[0].is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _span(span: Span | None) -> Span:

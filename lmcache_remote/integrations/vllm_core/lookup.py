@@ -1,0 +1,126 @@
+"""The scheduler side's lookup: how many leading prompt tokens every rank can load from Redis.
+
+vLLM asks `get_num_new_matched_tokens` for every waiting request, again and again while it
+waits, in the scheduler's own thread: the answer must cost one round trip and nothing else.
+`PrefixLookup` promises:
+
+- one Redis round trip per call, whatever the number of rank namespaces (tensor-parallel
+  ranks each store their own chunks under their own `worker_id`): the chunk keys of every
+  namespace go out in one pipeline of `EXISTS` (one per chunk, part keys included, as
+  `RedisTier.contains` sends them; on a cluster one pipeline per node, concurrently);
+- a token counts only when every namespace holds its chunk, and only up to the first chunk
+  some namespace lacks (a prefix, as `CacheEngine.lookup`);
+- it is light: a Redis client and the key builders, no `CacheEngine`. No local CPU tier (the
+  workers' tiers are in other processes), no write-behind queue, no codec threads, no stats
+  publisher, no entry in fleet stats or the Prometheus registry: it is not an engine;
+- a remote failure is a miss (0), counted in `metrics` and logged rate-limited, never raised;
+  with no remote tier configured every lookup is 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from lmcache_remote.config import CacheConfig
+from lmcache_remote.errors import BackendError
+from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
+from lmcache_remote.memory import ChunkLayout, MemoryPool
+from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.storage.cluster_tier import make_remote_tier
+from lmcache_remote.storage.redis_tier import RedisTier
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixLookup:
+    """Remote-only prefix lookup over several key namespaces; see the module docstring."""
+
+    def __init__(self, config: CacheConfig, layout: ChunkLayout,
+                 namespaces: Sequence[KeyNamespace]) -> None:
+        if not namespaces:
+            raise ValueError("need at least one key namespace")
+        self.metrics = Metrics()
+        self.chunk_size = config.chunk_size
+        self._namespaces = list(namespaces)
+        # A lookup never reads a value: the pool only satisfies the tier's constructor.
+        self._remote: RedisTier | None = (
+            make_remote_tier(config, layout, MemoryPool(0, pin_memory=False), self.metrics)
+            if config.remote_url is not None else None
+        )
+        self._log = RateLimitedLogger(logger)
+
+    @property
+    def namespaces(self) -> list[KeyNamespace]:
+        return list(self._namespaces)
+
+    def __call__(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading tokens whose chunks every namespace holds now (0 on any remote failure)."""
+        self.metrics.inc("lookup.requests")
+        if self._remote is None:
+            return 0
+        arr = tokens_to_array(tokens)
+        hashes = chunk_hashes(arr, self.chunk_size, cache_salt, partial=True)
+        if not hashes:
+            return 0
+        bounds = [(i * self.chunk_size, min((i + 1) * self.chunk_size, len(arr)))
+                  for i in range(len(hashes))]
+        # The chained hashes do not depend on the namespace: hashed once, keyed per rank.
+        per_ns = [[ChunkSpec(start, end, ns.key(digest))
+                   for (start, end), digest in zip(bounds, hashes, strict=True)]
+                  for ns in self._namespaces]
+        flat = [spec for specs in per_ns for spec in specs]
+        try:
+            present = self._remote.contains(flat)
+        except BackendError as exc:
+            self.metrics.inc("lookup.remote_errors")
+            self._log.warning("lookup", "lookup failed, counted as a miss: %s", exc)
+            return 0
+        hits = len(per_ns[0])
+        pos = 0
+        for specs in per_ns:
+            found = present[pos:pos + len(specs)]
+            pos += len(specs)
+            hits = min(hits, next((i for i, ok in enumerate(found) if not ok), len(specs)))
+        hit_tokens = per_ns[0][hits - 1].end if hits else 0
+        self.metrics.inc("lookup.hit_tokens", hit_tokens)
+        return hit_tokens
+
+    def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+
+
+class BackgroundLookup:
+    """A lookup that never holds vLLM's scheduler longer than `wait_s`: it runs on one thread
+    of its own, and a call that finds its request's lookup still running after `wait_s`
+    answers None (vLLM then asks again on a later step, the connector contract's "not known
+    yet"). A Redis that stops answering costs each step at most `wait_s`, not
+    `remote_timeout`. The next call after an answer starts a new lookup: hits are never
+    served from a cache."""
+
+    def __init__(self, lookup: Callable[[Sequence[int], str | None], int], wait_s: float) -> None:
+        self._lookup = lookup
+        self.wait_s = wait_s
+        self._pending: dict[str, Future[int]] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-lookup")
+
+    def __call__(self, req_id: str, tokens: Sequence[int], cache_salt: str | None) -> int | None:
+        future = self._pending.get(req_id)
+        if future is None:
+            future = self._executor.submit(self._lookup, list(tokens), cache_salt)
+            self._pending[req_id] = future
+        try:
+            hits = future.result(timeout=self.wait_s)
+        except FutureTimeout:
+            return None
+        del self._pending[req_id]
+        return hits
+
+    def forget(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

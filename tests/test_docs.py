@@ -1,0 +1,107 @@
+"""The docs say what the code does: the README's configuration table, the `ls` example in
+docs/cli.md, and the key list in docs/key-schema.md are checked against the code here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from lmcache_remote.config import CacheConfig
+from lmcache_remote.errors import ConfigError
+from lmcache_remote.keys import CacheEngineKey, engine_stats_key, probe_key
+from lmcache_remote.serde import header_nbytes
+from lmcache_remote.sizing import plan_part_size
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
+KEY_DOC = (ROOT / "docs" / "key-schema.md").read_text()
+
+
+def _config_rows() -> dict[str, str]:
+    """field -> the default the README's configuration table shows."""
+    table = README.split("## Configuration", 1)[1].split("\n\n###", 1)[0]
+    rows: dict[str, str] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        for name in re.findall(r"`([a-z_]+)`", cells[0]):
+            rows[name] = cells[1].strip("`")
+    return rows
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def test_readme_table_lists_every_field_with_its_default() -> None:
+    rows = _config_rows()
+    fields = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+    assert set(rows) == set(fields)
+    assert {name: rows[name] for name in fields} == {n: _shown(d) for n, d in fields.items()}
+
+
+def test_readme_states_the_part_size_bounds_the_config_enforces() -> None:
+    row = next(line for line in README.splitlines() if line.startswith("| `remote_part_size`"))
+    assert "4096 to 512 MiB" in row
+    CacheConfig(remote_part_size=4096)
+    CacheConfig(remote_part_size=512 * 1024 * 1024)
+    for bad in (4095, 512 * 1024 * 1024 + 1):
+        with pytest.raises(ConfigError, match="remote_part_size"):
+            CacheConfig(remote_part_size=bad)
+
+
+def test_cli_ls_example_is_bytes_the_code_writes() -> None:
+    section = CLI_DOC.split("### `ls`", 1)[1]
+    doc = json.loads(section.split("```json", 1)[1].split("```", 1)[0])
+    entry = doc["entries"][0]
+    part_size = plan_part_size(entry["raw_bytes"], CacheConfig().remote_part_size)
+    assert entry["part_size"] == part_size
+    assert entry["parts"] == -(-entry["raw_bytes"] // part_size)
+    assert entry["header_bytes"] == header_nbytes(entry["parts"])
+    assert entry["bytes"] == entry["stored_bytes"] + entry["header_bytes"]
+    shape = entry["shape"]
+    assert shape[2] == entry["num_tokens"]
+    assert entry["raw_bytes"] == 2 * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+
+
+def _documented(rendered: str, **placeholders: str) -> str:
+    for value, name in placeholders.items():
+        rendered = rendered.replace(value, "{" + name + "}")
+    return rendered
+
+
+def test_key_schema_lists_every_key_the_project_writes() -> None:
+    table = KEY_DOC.split("## Every key under a prefix", 1)[1].split("\n\n", 2)[1]
+    chunk = CacheEngineKey("MODEL", 1, 0, "bfloat16", "ab" * 16).redis_key("PFX")
+    expected = [
+        _documented(chunk, PFX="key_prefix", MODEL="model_name").replace(
+            ":1:0:bfloat16:", ":{world_size}:{worker_id}:{dtype}:").replace("ab" * 16,
+                                                                            "{chunk_hash}"),
+        _documented(engine_stats_key("PFX", "ENGINE"), PFX="key_prefix", ENGINE="engine_id"),
+        _documented(probe_key("PFX", "TOKEN"), PFX="key_prefix", TOKEN="token"),
+    ]
+    for key in expected:
+        assert f"| `{key}` |" in table, key
+
+
+def test_metrics_doc_names_every_counter_the_code_counts() -> None:
+    """Every counter name written out in the library (`metrics.inc("scope.name")`, and the
+    per-tier `f"{tier}.name"` ones for both tiers) is in docs/metrics.md's table."""
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    source = "\n".join(p.read_text() for p in (ROOT / "lmcache_remote").rglob("*.py"))
+    names = set(re.findall(r"\.(?:inc|observe)\(\s*\"([a-z_]+\.[a-z_]+)\"", source))
+    for leaf in re.findall(r"\.inc\(\s*f\"\{tier\}\.([a-z_]+)\"", source):
+        names |= {f"local.{leaf}", f"remote.{leaf}"}
+    assert len(names) > 20
+    missing = sorted(n for n in names if f"`{n}`" not in doc)
+    assert missing == []

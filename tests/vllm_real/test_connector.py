@@ -1,0 +1,643 @@
+"""LmcrConnector inside vLLM 0.33.0: its factory, its Scheduler, its worker plumbing (`rig`).
+
+Every engine here is `rig.Instance`: vLLM's real scheduler and connector plumbing around a fake
+forward whose attention checks, at every layer of every step, that each scheduled request's
+context KV is in the cache bit for bit (`bad_reads`). A load that is late, short, in the
+wrong slots or of the wrong bytes shows up there. Redis is real: the session's server, or a
+private one where a test counts its commands or kills it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import rig
+import torch
+from kvutil import chunk_heads
+from rig import CHUNK, LAYOUTS, NAMES, Instance, prompt
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.v1.engine import FinishReason
+
+from lmcache_remote import ConfigError
+from lmcache_remote.integrations.vllm import LmcrConnector
+from lmcache_remote.integrations.vllm_core import KVGeometry
+
+Engines = Callable[..., Instance]
+
+
+def chunk_keys(client: redis.Redis, prefix: str) -> set[str]:
+    return {k.decode() for k in chunk_heads(client.scan_iter(match=f"{prefix}:v1:*"))}
+
+
+def prefill(engine: Instance, req_id: str, tokens: list[int], max_tokens: int = 2) -> None:
+    engine.add(req_id, tokens, max_tokens=max_tokens)
+    engine.run([req_id])
+    assert engine.finished[req_id] == FinishReason.LENGTH
+    assert engine.bad_reads == []
+
+
+def retrieved(engine: Instance, rank: int = 0) -> int:
+    return int(engine.worker_engine(rank).stats()["engine"].get("retrieved_tokens", 0))
+
+
+# -- the factory and the hooks ----------------------------------------------------------------
+
+def test_vllm_builds_both_roles_through_its_factory(engines: Engines) -> None:
+    engine = engines()
+    sched, worker = engine.scheduler_connector, engine.ranks[0].connector
+    assert type(sched) is LmcrConnector and type(worker) is LmcrConnector
+    assert sched._scheduler is not None and sched._worker is None
+    assert worker._worker is not None and worker._scheduler is None
+    assert not getattr(LmcrConnector, "__abstractmethods__", set())
+    for name, base in inspect.getmembers(KVConnectorBase_V1, inspect.isfunction):
+        ours = getattr(LmcrConnector, name)
+        if ours is not base and not name.startswith("_"):  # every override keeps vLLM's params
+            assert (list(inspect.signature(ours).parameters)
+                    == list(inspect.signature(base).parameters)), name
+
+
+def test_bad_extra_config_stops_vllm_at_start_up(engines: Engines) -> None:
+    with pytest.raises(ConfigError, match="chunk_sise"):
+        engines(chunk_sise=256)
+    with pytest.raises(ConfigError, match="layerwise"):
+        engines(layerwise="yes")
+
+
+# -- loads across engines, every layout -------------------------------------------------------
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+@pytest.mark.parametrize("reader", LAYOUTS)
+def test_second_engine_loads_the_prefix_bit_exactly(engines: Engines, reader: str,
+                                                    layerwise: bool) -> None:
+    tokens = prompt(700, seed=1)
+    writer = "BLHNC" if reader == "LBNHC" else "LBNHC"
+    a = engines(layout=writer, layerwise=layerwise, store_async=False)
+    prefill(a, "r1", tokens)
+    assert retrieved(a) == 0
+    b = engines(layout=reader, layerwise=layerwise, local_cpu=False)
+    prefill(b, "r2", tokens)  # attention saw [0, 512) from Redis, the rest computed
+    assert retrieved(b) == 2 * CHUNK
+    assert b.invalid_blocks and not any(b.invalid_blocks)
+
+
+def test_async_stores_reach_the_second_engine(engines: Engines) -> None:
+    tokens = prompt(900, seed=2)
+    a = engines(store_async=True)
+    prefill(a, "r1", tokens)
+    assert a.worker_engine().flush(5.0)
+    b = engines(layout="BLNHC", local_cpu=False)
+    prefill(b, "r2", tokens)
+    assert retrieved(b) == 3 * CHUNK
+
+
+def test_whole_prompt_hit_leaves_the_last_chunk_to_compute(engines: Engines) -> None:
+    tokens = prompt(512, seed=3)
+    prefill(engines(store_async=False), "r1", tokens)
+    b = engines(local_cpu=False)
+    prefill(b, "r2", tokens)
+    assert retrieved(b) == CHUNK  # not 512: vLLM must compute at least one token
+
+
+def test_vllm_prefix_cache_hit_is_kept_and_the_rest_loaded(engines: Engines) -> None:
+    tokens = prompt(800, seed=4)
+    prefill(engines(store_async=False), "r1", tokens)
+    b = engines(local_cpu=False, prefix_caching=True)
+    prefill(b, "short", tokens[:300])  # vLLM caches 18 full blocks (288 tokens) itself
+    b.add("r2", tokens, max_tokens=2)
+    out = b.scheduler.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 768  # 288 from vLLM's cache, 480 from Redis
+    (plan,) = out.kv_connector_metadata.requests
+    assert (plan.load.skip, plan.load.start, plan.load.end) == (256, 288, 768)
+    b.execute(out)
+    b.run(["r2"])
+    assert b.bad_reads == [] and b.finished["r2"] == FinishReason.LENGTH
+
+
+# -- the scheduler's request life: chunked prefill, preemption, abort -----------------------
+
+def test_chunked_prefill_stores_each_chunk_in_the_step_that_completes_it(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    tokens = prompt(700, seed=5)
+    a = engines(max_batched_tokens=300, store_async=False)
+    a.add("r1", tokens, max_tokens=2)
+    counts = []
+    for _ in range(3):  # 300 + 300 + 100 prompt tokens
+        a.step()
+        counts.append(len(chunk_keys(redis_client, key_prefix)))
+    assert counts == [1, 2, 2]
+    a.run(["r1"])
+    assert a.bad_reads == []
+    b = engines(layout="LHBNC", local_cpu=False)
+    prefill(b, "r2", tokens)
+    assert retrieved(b) == 2 * CHUNK
+
+
+@pytest.mark.parametrize(("async_min", "async_save"), [(None, False), (256, False), (256, True)],
+                         ids=["sync", "async_load", "async_load_and_save"])
+def test_preempted_request_resumes_from_redis(engines: Engines, async_min: int | None,
+                                              async_save: bool) -> None:
+    first, second = prompt(600, seed=6), prompt(600, seed=7)
+    # 80 usable blocks: both prompts fit (2 x 38), their decodes do not: one is preempted
+    engine = engines(num_blocks=81, store_async=False, local_cpu=False,
+                     async_load_min_tokens=async_min, async_save=async_save)
+    engine.add("a", first, max_tokens=90)
+    engine.add("b", second, max_tokens=90)
+    engine.run(["a", "b"])
+    preempted = [r for r in ("a", "b") if engine.preemptions.get(r)]
+    assert preempted, "the scheduler never preempted: the test did not test resume"
+    assert engine.bad_reads == []
+    assert retrieved(engine) >= 2 * CHUNK  # the resumed request loaded its stored chunks
+    assert all(engine.finished[r] == FinishReason.LENGTH for r in ("a", "b"))
+
+
+def test_aborted_request_is_forgotten_and_the_engine_goes_on(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    tokens = prompt(900, seed=8)
+    engine = engines(max_batched_tokens=300, store_async=False)
+    engine.add("gone", tokens, max_tokens=4)
+    engine.step()
+    engine.step()  # 600 of 900 prompt tokens computed, 2 chunks stored
+    engine.abort("gone")
+    out = engine.step()
+    assert "gone" in out.finished_req_ids and out.kv_connector_metadata.requests == []
+    assert engine.scheduler_connector._scheduler._trackers == {}
+    assert len(chunk_keys(redis_client, key_prefix)) == 2
+    prefill(engine, "next", tokens)
+    assert retrieved(engine) == 2 * CHUNK  # its own worker tier, from the aborted prefill
+
+
+# -- stores inside save_kv_layer (layer-wise) -------------------------------------------------
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_layerwise_stores_copy_each_layer_inside_save_kv_layer(engines: Engines,
+                                                               layerwise: bool) -> None:
+    """After the forward (every save_kv_layer done) and before wait_for_save, the stored
+    tokens' KV is overwritten in the cache. Layer-wise stores copied it inside save_kv_layer
+    already and store the true KV; whole stores run in wait_for_save and store the garbage."""
+    tokens = prompt(600, seed=9)
+    a = engines(layerwise=layerwise, store_async=False)
+
+    def scribble(rank: rig.Rank, out: Any) -> None:
+        for name in NAMES:
+            for req_id, (start, end) in rank.work.items():
+                s = rank.slots(req_id, start, end)
+                rank.caches[name][s // rig.BLOCK, :, s % rig.BLOCK, :] = 1.0
+
+    a.after_forward = scribble
+    a.add("r1", tokens, max_tokens=1)
+    a.step()
+    a.after_forward = None
+    b = engines(local_cpu=False, layerwise=layerwise)
+    b.add("r2", tokens, max_tokens=1)
+    b.run(["r2"])
+    assert retrieved(b) == 2 * CHUNK
+    if layerwise:
+        assert b.bad_reads == []
+    else:
+        assert {(r, pos) for r, _, _, pos in b.bad_reads} == {("r2", 0)}
+
+
+# -- a failed load: recompute, and the chunks stored again -------------------------------------
+
+def _delete_chunk(client: redis.Redis, key_prefix: str, engine: Instance, tokens: list[int],
+                  index: int) -> None:
+    lookup = engine.scheduler_connector._lookup
+    ns = lookup.namespaces[0]
+    from lmcache_remote.hashing import TokenDatabase
+
+    spec = TokenDatabase(ns, CHUNK, False).prefix_keys(tokens)[index]
+    keys = [k.decode() for k in client.scan_iter(match=spec.key.redis_key(key_prefix) + "*")]
+    assert keys and client.unlink(*keys) == len(keys)
+
+
+def test_chunk_evicted_between_lookup_and_load_is_recomputed_and_stored_again(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    tokens = prompt(1300, seed=10)
+    prefill(engines(store_async=False), "r1", tokens[:800])  # chunks 0-2 (768 tokens)
+    assert len(chunk_keys(redis_client, key_prefix)) == 3
+    b = engines(local_cpu=False, store_async=False)
+    b.add("r2", tokens, max_tokens=3)
+    out = b.scheduler.schedule()  # lookup and allocation: 768 tokens promised
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 768
+    _delete_chunk(redis_client, key_prefix, b, tokens, 1)  # evicted before the load
+    b.execute(out)
+    assert b.invalid_blocks[-1] == set(b.ranks[0].block_ids["r2"][16:48])  # tokens 256-768
+    assert b.bad_reads and all(r == "r2" and pos == 256 for r, _, _, pos in b.bad_reads)
+    # the step also completed chunks 3 and 4, over the gap: they were not stored
+    assert len(chunk_keys(redis_client, key_prefix)) == 2
+    failing_step_reads = len(b.bad_reads)
+    b.run(["r2"])
+    assert len(b.bad_reads) == failing_step_reads  # the recompute filled the gap
+    assert b.finished["r2"] == FinishReason.LENGTH  # not ERROR
+    assert len(chunk_keys(redis_client, key_prefix)) == 5  # the lost chunk is back, and 3-4
+    c = engines(local_cpu=False)
+    prefill(c, "r3", tokens)
+    assert retrieved(c) == 5 * CHUNK
+
+
+def test_with_vllm_default_policy_a_failed_load_fails_the_request_and_start_up_warns(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = prompt(700, seed=11)
+    prefill(engines(store_async=False), "r1", tokens)
+    with caplog.at_level(logging.WARNING, logger="lmcache_remote.integrations.vllm"):
+        b = engines(local_cpu=False, policy="fail")
+    assert any("kv_load_failure_policy" in r.getMessage() for r in caplog.records)
+    b.add("r2", tokens, max_tokens=2)
+    out = b.scheduler.schedule()
+    _delete_chunk(redis_client, key_prefix, b, tokens, 0)
+    b.execute(out)
+    assert b.finished["r2"] == FinishReason.ERROR  # why every example sets "recompute"
+
+
+def test_redis_dying_between_lookup_and_load_is_a_recompute(engines: Engines,
+                                                            private_redis: Any) -> None:
+    tokens = prompt(600, seed=12)
+    prefill(engines(url=private_redis.url, store_async=False), "r1", tokens)
+    b = engines(url=private_redis.url, local_cpu=False)
+    b.add("r2", tokens, max_tokens=2)
+    out = b.scheduler.schedule()
+    private_redis.kill()
+    b.execute(out)  # no exception reaches vLLM
+    assert b.invalid_blocks[-1] == set(b.ranks[0].block_ids["r2"][:32])
+    b.run(["r2"])
+    assert b.finished["r2"] == FinishReason.LENGTH
+
+
+def test_corrupt_chunk_fails_only_its_blocks_and_later_ones(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    tokens = prompt(800, seed=13)
+    prefill(engines(store_async=False, serde="raw"), "r1", tokens)
+    b = engines(local_cpu=False)
+    ns = b.scheduler_connector._lookup.namespaces[0]
+    from lmcache_remote.hashing import TokenDatabase
+
+    key = TokenDatabase(ns, CHUNK, False).prefix_keys(tokens)[1].key.redis_key(key_prefix)
+    value = bytearray(redis_client.get(key))
+    value[-3] ^= 0x10
+    redis_client.set(key, bytes(value))
+    b.add("r2", tokens, max_tokens=2)
+    b.step()
+    assert b.invalid_blocks[-1] == set(b.ranks[0].block_ids["r2"][16:48])
+    b.run(["r2"])
+    assert b.finished["r2"] == FinishReason.LENGTH
+
+
+# -- MLA -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_is_detected_from_the_kv_cache_spec(engines: Engines, layout: str,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    tokens = prompt(600, seed=14)
+    with caplog.at_level(logging.WARNING, logger="lmcache_remote.integrations.vllm"):
+        a = engines(mla=True, layout="LBNHC", store_async=False)
+        b = engines(mla=True, layout=layout, local_cpu=False)
+    assert not any("lookups will miss" in r.getMessage() for r in caplog.records)
+    cache = b.ranks[0].caches[NAMES[0]]
+    assert cache.dim() == 4 and cache.shape[1] == 1 and cache.shape[3] == rig.MLA_DIM
+    want = KVGeometry(rig.LAYERS, 1, rig.MLA_DIM, torch.bfloat16, True)
+    assert b.ranks[0].connector._worker.geometry == want
+    assert b.scheduler_connector._geometry == want
+    prefill(a, "r1", tokens)
+    prefill(b, "r2", tokens)
+    assert retrieved(b) == 2 * CHUNK
+    assert b.worker_engine().layout.kv_planes == 1  # one latent plane, not two halves
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["save_only_first_rank", "per_rank"])
+def test_mla_with_tensor_parallelism_uses_the_workers_namespaces(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str, shared: bool
+) -> None:
+    tokens = prompt(600, seed=15)
+    a = engines(mla=True, tp=2, save_only_first_rank=shared, store_async=False)
+    prefill(a, "r1", tokens)
+    keys = chunk_keys(redis_client, key_prefix)
+    namespaces = {":".join(k.split(":")[3:5]) for k in keys}  # world_size:worker_id
+    assert namespaces == ({"1:0"} if shared else {"2:0", "2:1"})
+    assert len(keys) == (2 if shared else 4)
+    b = engines(mla=True, tp=2, save_only_first_rank=shared, local_cpu=False)
+    prefill(b, "r2", tokens)  # the scheduler found what the workers stored, both ranks load
+    assert retrieved(b, 0) == retrieved(b, 1) == 2 * CHUNK
+
+
+# -- fp8 -------------------------------------------------------------------------------------
+
+def test_fp8_variants_are_named_apart(engines: Engines, redis_client: redis.Redis,
+                                      key_prefix: str) -> None:
+    tokens = prompt(600, seed=16)
+    e4m3 = engines(cache_dtype="fp8_e4m3", store_async=False)
+    prefill(e4m3, "r1", tokens)
+    keys = chunk_keys(redis_client, key_prefix)
+    assert keys and all(":float8_e4m3fn:" in k for k in keys)
+    e5m2 = engines(cache_dtype="fp8_e5m2", local_cpu=False, store_async=False)
+    prefill(e5m2, "r2", tokens)
+    assert retrieved(e5m2) == 0  # e4m3 bytes are not e5m2 values
+    assert {k.split(":")[5] for k in chunk_keys(redis_client, key_prefix)} == {
+        "float8_e4m3fn", "float8_e5m2"}
+    again = engines(cache_dtype="fp8", layout="BHLNC", local_cpu=False)  # fp8 is e4m3
+    prefill(again, "r3", tokens)
+    assert retrieved(again) == 2 * CHUNK
+
+
+def test_packed_quantized_cache_dtype_is_refused_at_start_up(engines: Engines) -> None:
+    with pytest.raises(ConfigError, match="cache_dtype"):
+        engines(cache_dtype="int8_per_token_head")
+
+
+# -- the scheduler side: one round trip per lookup, and light ----------------------------------
+
+def _reads(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_reads_processed"])
+
+
+def _exists_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_one_round_trip_per_scheduler_lookup_whatever_the_tp_size(
+    engines: Engines, private_redis: Any, tp: int
+) -> None:
+    tokens = prompt(1100, seed=17)
+    # only the scheduler's lookups talk to Redis; loads within the step, to see them scheduled
+    quiet = {"stats_publish_interval": None, "async_load_min_tokens": None}
+    a = engines(url=private_redis.url, tp=tp, store_async=False, **quiet)
+    prefill(a, "r1", tokens)
+    b = engines(url=private_redis.url, tp=tp, local_cpu=False, **quiet)
+    probe = redis.Redis.from_url(private_redis.url)
+    connector = b.scheduler_connector
+    request = b.add("r2", tokens, max_tokens=2)
+    connector.get_num_new_matched_tokens(request, 0)  # connections open before counting
+    _reads(probe)
+    exists = _exists_calls(probe)
+    reads = _reads(probe)
+    assert _reads(probe) - reads == 1  # counting itself costs the INFO's own read
+    reads = _reads(probe)
+    for _ in range(3):  # vLLM asks again while a request waits
+        assert connector.get_num_new_matched_tokens(request, 0) == (4 * CHUNK, False)
+    assert _reads(probe) - reads - 1 == 3  # one read event per lookup, any TP size
+    assert _exists_calls(probe) - exists == 3 * tp * 5  # yet every rank's 5 chunks checked
+    reads = _reads(probe)
+    out = b.scheduler.schedule()  # vLLM's own call
+    assert _reads(probe) - reads - 1 == 1
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 4 * CHUNK
+    b.execute(out)
+    assert b.bad_reads == []
+
+
+def test_a_token_counts_only_when_every_rank_holds_it(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    tokens = prompt(800, seed=18)
+    prefill(engines(tp=2, store_async=False), "r1", tokens)
+    b = engines(tp=2, local_cpu=False)
+    rank1 = [k for k in chunk_keys(redis_client, key_prefix) if ":2:1:" in k]
+    lookup = b.scheduler_connector._lookup
+    from lmcache_remote.hashing import TokenDatabase
+
+    second = TokenDatabase(lookup.namespaces[1], CHUNK, False).prefix_keys(tokens)[1]
+    assert second.key.redis_key(key_prefix) in rank1
+    redis_client.unlink(second.key.redis_key(key_prefix))
+    request = b.add("r2", tokens, max_tokens=2)
+    assert b.scheduler_connector.get_num_new_matched_tokens(request, 0) == (CHUNK, False)
+
+
+def test_scheduler_side_is_no_engine(engines: Engines, redis_client: redis.Redis,
+                                     key_prefix: str) -> None:
+    import threading
+
+    from lmcache_remote import metrics
+
+    def lmcr_threads() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("lmcr")}
+
+    before_threads, before_sources = lmcr_threads(), len(metrics._SOURCES)
+    engine = engines(stats_publish_interval=0.05)
+    sched = engine.scheduler_connector
+    request = engine.add("r1", prompt(700, seed=19), max_tokens=1)
+    sched.get_num_new_matched_tokens(request, 0)
+    worker_threads = {n for n in lmcr_threads() - before_threads}
+    assert not hasattr(sched, "_lookup_engines")
+    assert "lmcr-stats-publisher" in worker_threads  # the worker is an engine ...
+    engine.run(["r1"])
+    assert engine.worker_engine().flush(5.0)
+    engines_keys = list(redis_client.scan_iter(match=f"{key_prefix}:engines:*"))
+    assert len(engines_keys) == 1  # ... counted once: the scheduler side is not
+    assert len(metrics._SOURCES) - before_sources == 1
+    assert sched._lookup is not None and sched._lookup.metrics.counters()["lookup.requests"] >= 1
+    # built alone, as vLLM's Scheduler builds it, and asked: not one thread of its own
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    threads = lmcr_threads()
+    alone = KVConnectorFactory.create_connector(engine.config, KVConnectorRole.SCHEDULER,
+                                                engine.kv_cache_config)
+    assert alone.get_num_new_matched_tokens(request, 0)[0] == 2 * CHUNK
+    assert lmcr_threads() == threads
+    alone.shutdown()
+
+
+# -- CUDA graphs and other requests ------------------------------------------------------------
+
+def test_layerwise_asks_vllm_for_piecewise_cuda_graphs(engines: Engines) -> None:
+    """Asked as VllmConfig asks it (the class from the factory, the extra config). VllmConfig's
+    own override cannot run here: the CPU platform turns CUDA graphs off before it;
+    scripts/gpu_check_vllm.sh looks for vLLM's override message on a GPU."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for layerwise, piecewise in ((True, True), (False, False)):
+        transfer = engines(layerwise=layerwise).config.kv_transfer_config
+        cls = KVConnectorFactory.get_connector_class(transfer)
+        assert cls.requires_piecewise_for_cudagraph(
+            transfer.kv_connector_extra_config) is piecewise
+    assert LmcrConnector.requires_piecewise_for_cudagraph({}) is True  # the default
+
+
+def test_requests_not_named_by_their_tokens_pass_through(engines: Engines) -> None:
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    tokens = prompt(600, seed=20)
+    engine = engines(store_async=False)
+    prefill(engine, "plain", tokens)
+    sched = engine.scheduler_connector
+    lora = Request("lora", tokens, SamplingParams(max_tokens=1), None,
+                   lora_request=LoRARequest("adapter", 1, "/nonexistent"))
+    embeds = Request("embeds", None, SamplingParams(max_tokens=1), None,
+                     prompt_embeds=torch.zeros(600, 64))
+    plain = Request("again", tokens, SamplingParams(max_tokens=1), None)
+    assert sched.get_num_new_matched_tokens(plain, 0) == (2 * CHUNK, False)
+    assert sched.get_num_new_matched_tokens(lora, 0) == (0, False)  # other weights, other KV
+    assert sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
+
+
+# -- asynchronous loads ------------------------------------------------------------------------
+
+def _pool_used(engine: Instance) -> list[int]:
+    return [rank.connector._worker.engine.storage.pool.used_bytes for rank in engine.ranks]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_large_hit_loads_in_the_background_while_others_run(engines: Engines, tp: int) -> None:
+    tokens, other = prompt(1400, seed=21), prompt(300, seed=22)
+    prefill(engines(tp=tp, store_async=False), "r1", tokens)
+    b = engines(tp=tp, local_cpu=False, async_load_min_tokens=1024)
+    request = b.add("r2", tokens, max_tokens=2)
+    assert b.scheduler_connector.get_num_new_matched_tokens(request, 0) == (1280, True)
+    b.add("r3", other, max_tokens=2)
+    out = b.scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["r3"]  # r2 waits for its KV, r3 runs
+    (plan,) = [p for p in out.kv_connector_metadata.requests if p.req_id == "r2"]
+    assert plan.async_load and plan.load.end == 1280
+    assert out.has_sync_kv_loads is False  # so vLLM starts loads after the forward
+    b.execute(out)
+    b.run(["r2", "r3"])
+    assert b.bad_reads == []  # r2's attention saw the loaded 1280 tokens, bit for bit
+    assert all(retrieved(b, r) == 1280 for r in range(tp))
+    assert _pool_used(b) == [0] * tp
+
+
+def test_abort_while_a_background_load_is_pending_keeps_the_blocks_until_it_is_over(
+    engines: Engines, private_redis: Any
+) -> None:
+    tokens = prompt(1400, seed=23)
+    prefill(engines(url=private_redis.url, store_async=False), "r1", tokens)
+    b = engines(url=private_redis.url, local_cpu=False, async_load_min_tokens=1024,
+                remote_timeout=30.0, stats_publish_interval=None)
+    pool = b.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    b.add("r2", tokens, max_tokens=2)
+    out = b.scheduler.schedule()
+    private_redis.pause()  # the load cannot finish while Redis is stopped
+    try:
+        b.execute(out)
+        b.abort("r2")
+        b.step()  # no forward; the load is still running
+        assert "r2" in b.scheduler.requests  # vLLM holds its blocks ...
+        assert pool.get_num_free_blocks() < free_before
+    finally:
+        private_redis.resume()
+    b.wait_for_background(time.monotonic() + 30)
+    b.step()  # ... until the worker reports the load over
+    assert "r2" not in b.scheduler.requests
+    assert pool.get_num_free_blocks() == free_before
+    assert _pool_used(b) == [0]
+
+
+def test_background_load_that_comes_back_short_is_recomputed_and_stored_again(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    tokens = prompt(1400, seed=24)
+    prefill(engines(store_async=False), "r1", tokens)
+    assert len(chunk_keys(redis_client, key_prefix)) == 5
+    b = engines(local_cpu=False, store_async=False, async_load_min_tokens=1024)
+    b.add("r2", tokens, max_tokens=2)
+    out = b.scheduler.schedule()
+    (plan,) = out.kv_connector_metadata.requests
+    assert plan.async_load
+    _delete_chunk(redis_client, key_prefix, b, tokens, 2)
+    b.execute(out)
+    b.run(["r2"])
+    lost = set((plan.slot_mapping[512:1280] // rig.BLOCK).tolist())
+    assert lost in b.invalid_blocks  # reported with the finished load, in one step
+    assert b.bad_reads == []  # vLLM recomputed [512, 1280) before any attention read it
+    assert b.finished["r2"] == FinishReason.LENGTH
+    assert len(chunk_keys(redis_client, key_prefix)) == 5  # the lost chunk is back
+    assert _pool_used(b) == [0]
+
+
+# -- asynchronous saves ------------------------------------------------------------------------
+
+def test_async_saves_run_past_a_stopped_redis_and_hold_blocks_until_done(
+    engines: Engines, private_redis: Any
+) -> None:
+    tokens = prompt(700, seed=25)
+    a = engines(url=private_redis.url, async_save=True, store_async=False, local_cpu=False,
+                remote_timeout=30.0, stats_publish_interval=None)
+    pool = a.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    a.add("r1", tokens, max_tokens=4)
+    out = a.scheduler.schedule()  # its lookup is done; Redis stops now
+    private_redis.pause()
+    try:
+        a.execute(out)
+        a.run(["r1"])  # prefill and decode go on: the store waits in the background
+        assert a.finished["r1"] == FinishReason.LENGTH and a.bad_reads == []
+        a.step()
+        assert "r1" in a.scheduler.requests  # finished, its blocks kept for the store
+        assert pool.get_num_free_blocks() < free_before
+    finally:
+        private_redis.resume()
+    a.drain()
+    assert pool.get_num_free_blocks() == free_before and _pool_used(a) == [0]
+    b = engines(url=private_redis.url, local_cpu=False)
+    prefill(b, "r2", tokens)
+    assert retrieved(b) == 2 * CHUNK  # the bytes were copied after the forward, intact
+
+
+def test_async_save_that_fails_still_frees_the_blocks(engines: Engines,
+                                                      private_redis: Any) -> None:
+    a = engines(url=private_redis.url, async_save=True, store_async=False, local_cpu=False,
+                stats_publish_interval=None)
+    pool = a.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    a.add("r1", prompt(700, seed=26), max_tokens=2)
+    out = a.scheduler.schedule()
+    private_redis.kill()
+    a.execute(out)
+    a.run(["r1"])
+    a.drain()
+    assert pool.get_num_free_blocks() == free_before and _pool_used(a) == [0]
+    assert a.worker_engine().stats()["engine"].get("stored_tokens", 0) == 0
+
+
+def test_abort_while_an_async_save_is_pending(engines: Engines, private_redis: Any) -> None:
+    tokens = prompt(900, seed=27)
+    a = engines(url=private_redis.url, async_save=True, store_async=False, local_cpu=False,
+                max_batched_tokens=300, remote_timeout=30.0, stats_publish_interval=None)
+    pool = a.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    a.add("gone", tokens, max_tokens=4)
+    out = a.scheduler.schedule()
+    private_redis.pause()
+    try:
+        a.execute(out)  # 300 tokens: chunk 0's store waits for Redis
+        a.abort("gone")
+        a.step()
+        assert "gone" in a.scheduler.requests
+    finally:
+        private_redis.resume()
+    a.drain()
+    assert pool.get_num_free_blocks() == free_before and _pool_used(a) == [0]
+
+
+def test_background_lookup_keeps_the_scheduler_going_while_redis_is_stopped(
+    engines: Engines, private_redis: Any
+) -> None:
+    tokens = prompt(700, seed=28)
+    prefill(engines(url=private_redis.url, store_async=False), "r1", tokens)
+    b = engines(url=private_redis.url, local_cpu=False, lookup_wait_ms=20, remote_timeout=30.0,
+                stats_publish_interval=None)
+    private_redis.pause()
+    try:
+        b.add("r2", tokens, max_tokens=2)
+        out = b.scheduler.schedule()  # would wait for remote_timeout, then miss, in-thread
+        assert out.num_scheduled_tokens == {}  # r2 waits for its answer; vLLM does not
+        b.execute(out)
+    finally:
+        private_redis.resume()
+    b.run(["r2"])
+    assert retrieved(b) == 2 * CHUNK and b.bad_reads == []

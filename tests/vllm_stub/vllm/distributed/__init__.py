@@ -1,1 +1,0 @@
-"""Test stand-in package (tests/vllm_stub)."""
