@@ -38,10 +38,10 @@ ensure_torch
 pip_install_project test
 
 section "ruff"
-"$PY" -m ruff check lmcache_remote cli tests benchmarks
+"$PY" -m ruff check lmcache_remote cli tests benchmarks soak
 
 section "mypy"
-"$PY" -m mypy lmcache_remote cli
+"$PY" -m mypy lmcache_remote cli soak
 
 section "pytest"
 "$PY" -m pytest "$@"
