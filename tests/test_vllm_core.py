@@ -9,6 +9,8 @@ answers a fixed number of hit tokens, and the plans are fed hand-made requests."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import redis
 import torch
@@ -208,6 +210,30 @@ def test_prefix_lookup_counts_what_every_rank_holds(private_redis) -> None:
     private_redis.kill()
     assert lookup(list(range(600))) == 0
     assert lookup.metrics.counters()["lookup.remote_errors"] >= 1
+    lookup.close()
+
+
+def test_prefix_lookup_promises_no_more_than_a_worker_can_hold(private_redis) -> None:
+    config = CacheConfig(remote_url=private_redis.url, remote_timeout=0.5, chunk_size=C,
+                         store_async=False, local_cpu=False, stats_publish_interval=None)
+    tokens = list(range(2048))  # 8 chunks of 256
+    kv = DenseKV([torch.randn(2, 2048, 8).to(torch.bfloat16) for _ in range(2)],
+                 [torch.randn(2, 2048, 8).to(torch.bfloat16) for _ in range(2)])
+    meta = geometry().metadata("m", 1, 0)
+    with CacheEngine(config, meta) as engine:
+        assert engine.store(tokens, kv) == 2048
+    chunk = meta.layout.nbytes(C)
+    # a worker with the write-behind queue on holds half of 10 chunks' budget for reads: 5
+    small = dataclasses.replace(config, store_async=True,
+                                max_local_cpu_size=10 * chunk / 1024**3)
+    lookup = PrefixLookup(small, meta.layout, [meta.namespace])
+    assert lookup(tokens) == 5 * C
+    assert lookup.metrics.counters()["lookup.capped_tokens"] == 3 * C
+    with CacheEngine(small, meta) as worker:  # the engine's own lookup caps the same way
+        assert worker.lookup(tokens) == 5 * C
+    lookup.close()
+    lookup = PrefixLookup(config, meta.layout, [meta.namespace])  # 5 GiB: no cap
+    assert lookup(tokens) == 2048
     lookup.close()
 
 

@@ -229,12 +229,12 @@ class StorageManager:
     @property
     def queue_bytes(self) -> int:
         """The write-behind queue's share of the budget: `store_queue_size`, at most half."""
-        return min(self.config.store_queue_bytes, self.pool.max_bytes // 2)
+        return queue_share_bytes(self.config)
 
     @property
     def read_share_bytes(self) -> int:
         """What reads in flight can always get: the budget less the queue's share."""
-        return self.pool.max_bytes - (self.queue.max_bytes if self.queue is not None else 0)
+        return read_share_bytes(self.config)
 
     def allocate(self, num_tokens: int) -> MemoryObj | None:
         """A chunk buffer of `num_tokens` tokens, evicting local entries if the pool is full
@@ -437,6 +437,20 @@ class StorageManager:
         if self.remote is not None:
             self.remote.close()
         self.pool.trim()
+
+
+def queue_share_bytes(config: CacheConfig) -> int:
+    """The write-behind queue's share of `max_local_cpu_size`: `store_queue_size`, at most half
+    (see the module doc)."""
+    return min(config.store_queue_bytes, config.max_local_cpu_bytes // 2)
+
+
+def read_share_bytes(config: CacheConfig) -> int:
+    """The bytes of chunks one read can always hold under `config`: the budget less the write-
+    behind queue's share (none without a queue). A lookup never promises more; the vLLM
+    scheduler's lookup caps its answer the same way."""
+    queued = config.remote_url is not None and config.store_async
+    return config.max_local_cpu_bytes - (queue_share_bytes(config) if queued else 0)
 
 
 def note_remote_failure(metrics: Metrics, log: RateLimitedLogger, what: str, exc: BackendError,

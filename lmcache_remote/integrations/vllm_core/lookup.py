@@ -13,6 +13,10 @@ waits, in the scheduler's own thread: the answer must cost one round trip and no
 - it is light: a Redis client and the key builders, no `CacheEngine`. No local CPU tier (the
   workers' tiers are in other processes), no write-behind queue, no codec threads, no stats
   publisher, no entry in fleet stats or the Prometheus registry: it is not an engine;
+- it never promises more than a worker can load in one retrieve: the leading chunks whose bytes
+  fit in each rank's read share of `max_local_cpu_size` (`storage.manager.read_share_bytes`,
+  the cap `CacheEngine.lookup` applies too); the tokens left out are counted in
+  `lookup.capped_tokens`;
 - a remote failure is a miss (0), counted in `metrics` and logged rate-limited, never raised;
   with no remote tier configured every lookup is 0.
 """
@@ -30,6 +34,7 @@ from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens
 from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.cluster_tier import make_remote_tier
+from lmcache_remote.storage.manager import read_share_bytes
 from lmcache_remote.storage.redis_tier import RedisTier
 
 logger = logging.getLogger(__name__)
@@ -44,6 +49,8 @@ class PrefixLookup:
             raise ValueError("need at least one key namespace")
         self.metrics = Metrics()
         self.chunk_size = config.chunk_size
+        self._layout = layout
+        self._read_share = read_share_bytes(config)
         self._namespaces = list(namespaces)
         # A lookup never reads a value: the pool only satisfies the tier's constructor.
         self._remote: RedisTier | None = (
@@ -84,9 +91,19 @@ class PrefixLookup:
             found = present[pos:pos + len(specs)]
             pos += len(specs)
             hits = min(hits, next((i for i, ok in enumerate(found) if not ok), len(specs)))
+        hits = self._within_read_share(per_ns[0], hits)
         hit_tokens = per_ns[0][hits - 1].end if hits else 0
         self.metrics.inc("lookup.hit_tokens", hit_tokens)
         return hit_tokens
+
+    def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
+        room = self._read_share
+        for i, spec in enumerate(specs[:hits]):
+            room -= self._layout.nbytes(spec.num_tokens)
+            if room < 0:
+                self.metrics.inc("lookup.capped_tokens", specs[hits - 1].end - spec.start)
+                return i
+        return hits
 
     def close(self) -> None:
         if self._remote is not None:
