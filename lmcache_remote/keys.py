@@ -15,6 +15,7 @@ brace into a key by hand.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 from lmcache_remote.errors import KeyFormatError
@@ -29,8 +30,11 @@ _UNESCAPES = {v[1:]: k for k, v in _ESCAPES.items()}
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
+@functools.lru_cache(maxsize=256)
 def escape_model_name(name: str) -> str:
-    """Percent-escape the characters that would break a key: `%`, `:`, `{`, `}`."""
+    """Percent-escape the characters that would break a key: `%`, `:`, `{`, `}`. Cached: every
+    chunk key of an engine escapes the same name, and per character it cost more than the rest
+    of the key."""
     return "".join(_ESCAPES.get(ch, ch) for ch in name)
 
 

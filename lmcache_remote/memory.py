@@ -9,7 +9,10 @@ buffer goes back to the pool when the last one is released, never earlier.
 the caller keeps the chunks it got and stops (a store keeps the prefix that fits). Freed buffers
 are kept and handed out again to the next allocation of the same size: fresh allocations
 page-fault and copy several times slower than reused memory. Kept-but-free buffers count toward
-the bound and are dropped first when room is needed.
+the bound and are dropped first when room is needed (largest sizes first), so the bound on
+bytes held is the only bound: every freed buffer is kept, whatever its size or how many of its
+size are kept already (a read of 256 chunks gets 256 reused buffers, not a few and 200 fresh
+ones), and `trim` hands them all back to the system.
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ import threading
 from collections import defaultdict
 
 import torch
-
-_MAX_FREE_PER_SIZE = 64
 
 
 class MemoryObj:
@@ -115,10 +116,9 @@ class MemoryPool:
     def give_back(self, buffer: torch.Tensor) -> None:
         size = buffer.numel()
         with self.lock:
-            self._used_bytes -= size
-            if len(self._free[size]) < _MAX_FREE_PER_SIZE:
-                self._free[size].append(buffer)
-                self._free_bytes += size
+            self._used_bytes -= size  # held bytes unchanged: still within the bound
+            self._free[size].append(buffer)
+            self._free_bytes += size
 
     def trim(self) -> None:
         """Drop every kept-free buffer (returns their memory to the system)."""

@@ -70,3 +70,27 @@ def test_threads_allocate_and_release_consistently() -> None:
     for t in threads:
         t.join()
     assert pool.used_bytes == 0 and pool.held_bytes <= pool.max_bytes
+
+
+def test_every_freed_buffer_is_kept_within_the_bound() -> None:
+    """A read of many chunks gets every buffer back reused (no count cap per size: 300 here,
+    past the 64 an earlier cap kept), and what is kept free still counts toward the bound."""
+    count = 300
+    size = LAYOUT.nbytes(4)
+    pool = MemoryPool(count * size, pin_memory=False)
+    objs = [pool.allocate(LAYOUT.shape(4), LAYOUT.dtype) for _ in range(count)]
+    assert all(o is not None for o in objs)
+    ptrs = {o.tensor.data_ptr() for o in objs if o is not None}
+    for o in objs:
+        assert o is not None
+        o.release()
+    assert pool.used_bytes == 0 and pool.held_bytes == count * size
+    again = [pool.allocate(LAYOUT.shape(4), LAYOUT.dtype) for _ in range(count)]
+    assert {o.tensor.data_ptr() for o in again if o is not None} == ptrs
+    for o in again:
+        assert o is not None
+        o.release()
+    big = pool.allocate(LAYOUT.shape(4 * count), LAYOUT.dtype)  # kept buffers make room
+    assert big is not None and pool.held_bytes <= pool.max_bytes
+    pool.trim()
+    assert pool.held_bytes == pool.used_bytes == count * size

@@ -163,6 +163,17 @@ def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
     client.close()
 
 
+
+def test_reads_ask_two_of_their_largest_replies_ahead_at_most_the_cap() -> None:
+    """The fast read path's in-flight bound follows the replies: two of the largest (a 1 MiB
+    chunk's head and the next), never more than `INFLIGHT_BYTES` (32 MiB chunks' parts)."""
+    from lmcache_remote.storage.redis_tier import INFLIGHT_BYTES, read_ahead
+
+    assert read_ahead([1_044_160, 4_416] * 256) == 2 * 1_044_160
+    assert read_ahead([3_655_232] * 10) == 2 * 3_655_232 <= INFLIGHT_BYTES
+    assert read_ahead([9 * 2**20]) == INFLIGHT_BYTES
+    assert read_ahead([]) == 0  # no replies, nothing to ask for
+
 def test_noperm_and_oom_replies(redis_factory: object, key_prefix: str) -> None:
     server: RedisServer = redis_factory()  # type: ignore[operator]
     admin = server.client()

@@ -49,11 +49,11 @@ from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_tier import (
-    INFLIGHT_BYTES,
     Allocator,
     RedisTier,
     chunk_write_command,
     command_key,
+    read_ahead,
 )
 from lmcache_remote.storage.wire import BulkPipeline, Reply, Sink
 from lmcache_remote.urls import parse_remote_url
@@ -330,7 +330,7 @@ class ClusterRedisTier(RedisTier):
                         return BulkPipeline(client).execute(commands)
                     sink, sizes = receive
                     return BulkPipeline(client).execute(
-                        commands, sink, reply_sizes=sizes, inflight_bytes=INFLIGHT_BYTES)
+                        commands, sink, reply_sizes=sizes, inflight_bytes=read_ahead(sizes))
                 except redis.ResponseError:
                     pass  # MOVED/ASK/OOM...: redo below, keeping each answer (all idempotent)
             pipe = client.pipeline(transaction=False)

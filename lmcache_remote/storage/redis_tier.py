@@ -71,8 +71,9 @@ logger = logging.getLogger(__name__)
 #: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
 #: enough that the encoded values and receive arena of one batch stay a modest memory cost.
 _WINDOW_BYTES = 64 * 1024 * 1024
-#: Reply bytes asked for and not yet read on the fast read path: about two full parts, so
-#: Redis prepares the next reply while this side reads one, and never buffers a whole window.
+#: Reply bytes asked for and not yet read on the fast read path, at most: about two full
+#: parts (`read_ahead`), so Redis prepares the next reply while this side reads one, and never
+#: buffers a whole window.
 INFLIGHT_BYTES = 8 * 1024 * 1024
 #: Chunks whose keys (and packed EXISTS) are kept built: the hot prefixes of a million tokens.
 #: Each costs about 1-2 KiB outside the memory budget (more parts, longer model names cost
@@ -84,6 +85,14 @@ Allocator = Callable[[int], MemoryObj | None]
 WRITE_LANES = 4
 #: Connections one `get` reads over at once on a single server (see `RedisTier._get_wire`).
 READ_LANES = 4
+
+
+def read_ahead(reply_sizes: Sequence[int]) -> int:
+    """The reply bytes to keep asked for and unread while receiving replies of these sizes:
+    two of the largest (the one being read and the next), at most `INFLIGHT_BYTES`. More only
+    makes Redis copy replies into its output buffers ahead of the socket, which costs it CPU
+    on every byte (1 MiB chunks, 4 lanes: 8 MiB ahead read at 0.8x the speed of 2 MiB)."""
+    return min(INFLIGHT_BYTES, 2 * max(reply_sizes, default=0))
 
 
 class ByteBudget:
@@ -602,7 +611,7 @@ class RedisTier(StorageTier):
         def op() -> list[Reply]:
             assert self.wire is not None
             return self.wire.execute(commands, sink, reply_sizes=sizes,
-                                     inflight_bytes=INFLIGHT_BYTES)
+                                     inflight_bytes=read_ahead(sizes))
 
         return list(self.caller.call(op))
 
