@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 
@@ -67,6 +68,18 @@ class MemoryObj:
                 return
             self._pool = None
         pool.give_back(self._buffer)
+
+
+def leading_fit(sizes: Iterable[int], room: int) -> int:
+    """How many leading items of `sizes` (bytes) fit together in `room` bytes: the budget
+    rule every holder of the pool applies (the write-behind queue's share, a read's share)."""
+    count = 0
+    for size in sizes:
+        room -= size
+        if room < 0:
+            break
+        count += 1
+    return count
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -90,17 +90,6 @@ class LocalCPUTier(StorageTier):
             obj.release()
         return len(removed)
 
-    def evict_lru(self) -> bool:
-        """Drop the least recently used chunk; False when the tier is empty."""
-        with self._lock:
-            if not self._entries:
-                return False
-            _, obj = self._entries.popitem(last=False)
-            self._bytes -= obj.nbytes
-        self._count_evicted([obj])
-        obj.release()
-        return True
-
     def evict_for(self, need: int) -> int:
         """Evict least recently used entries that the tier alone holds until they free `need`
         bytes; the bytes freed (>= `need`), or 0, having evicted nothing, when all such entries
@@ -122,14 +111,11 @@ class LocalCPUTier(StorageTier):
                 return 0
             objs = [self._entries.pop(key) for key in victims]
             self._bytes -= freed
-        self._count_evicted(objs)
+        self._metrics.inc("local.evicted_chunks", len(objs))
+        self._metrics.inc("local.evicted_bytes", freed)
         for obj in objs:
             obj.release()
         return freed
-
-    def _count_evicted(self, objs: Sequence[MemoryObj]) -> None:
-        self._metrics.inc("local.evicted_chunks", len(objs))
-        self._metrics.inc("local.evicted_bytes", sum(o.nbytes for o in objs))
 
     def clear(self) -> None:
         with self._lock:

@@ -49,7 +49,7 @@ from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, BackendPermissionError
 from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
+from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool, leading_fit
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.access import check_access
 from lmcache_remote.storage.cluster_tier import make_remote_tier
@@ -95,9 +95,6 @@ class PendingWrites:
         with self._lock:
             self._keys.difference_update(keys)
 
-    def __len__(self) -> int:
-        return len(self._keys)
-
 
 class WriteBehindQueue:
     """A bounded (bytes) queue of chunk writes, drained into Redis by one daemon thread.
@@ -133,12 +130,7 @@ class WriteBehindQueue:
         queued. The others are dropped, counted, and their keys marked done."""
         with self._cond:
             room = 0 if self._closed else self._max_bytes - self._bytes
-            fit = 0
-            for obj in objs:
-                if obj.nbytes > room:
-                    break
-                room -= obj.nbytes
-                fit += 1
+            fit = leading_fit((o.nbytes for o in objs), room)
             if fit:
                 taken = objs[:fit]
                 nbytes = sum(o.nbytes for o in taken)
@@ -289,20 +281,16 @@ class StorageManager:
 
     def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
         """`hits`, or fewer: the leading chunks one fetch can hold at once (`read_share_bytes`);
-        the tokens left out are counted in `engine.lookup_capped_tokens`."""
-        room, count = self.read_share_bytes, 0
-        for spec in specs[:hits]:
-            room -= self.layout.nbytes(spec.num_tokens)
-            if room < 0:
-                self.metrics.inc("engine.lookup_capped_tokens", specs[hits - 1].end - spec.start)
-                self._log.warning(
-                    "lookup-cap", "a lookup found %d tokens but one retrieve can hold only %d "
-                    "of them in max_local_cpu_size (less the write-behind queue's share); "
-                    "raise max_local_cpu_size", specs[hits - 1].end - specs[0].start,
-                    spec.start - specs[0].start)
-                break
-            count += 1
-        return count
+        the tokens left out are counted in `engine.lookup_capped_tokens` and logged."""
+        fit = fetchable_chunks(specs, hits, self.layout, self.read_share_bytes)
+        if fit < hits:
+            self.metrics.inc("engine.lookup_capped_tokens", specs[hits - 1].end - specs[fit].start)
+            self._log.warning(
+                "lookup-cap", "a lookup found %d tokens but one retrieve can hold only %d "
+                "of them in max_local_cpu_size (less the write-behind queue's share); "
+                "raise max_local_cpu_size", specs[hits - 1].end - specs[0].start,
+                specs[fit].start - specs[0].start)
+        return fit
 
     def fetch(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
         """The leading run of present, valid chunks; the caller releases each."""
@@ -451,6 +439,13 @@ def read_share_bytes(config: CacheConfig) -> int:
     scheduler's lookup caps its answer the same way."""
     queued = config.remote_url is not None and config.store_async
     return config.max_local_cpu_bytes - (queue_share_bytes(config) if queued else 0)
+
+
+def fetchable_chunks(specs: Sequence[ChunkSpec], hits: int, layout: ChunkLayout,
+                     read_share: int) -> int:
+    """Of the first `hits` chunks, how many leading ones one read can hold in `read_share`
+    bytes (`read_share_bytes`): the most a lookup may promise."""
+    return leading_fit((layout.nbytes(s.num_tokens) for s in specs[:hits]), read_share)
 
 
 def note_remote_failure(metrics: Metrics, log: RateLimitedLogger, what: str, exc: BackendError,

@@ -34,7 +34,7 @@ from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens
 from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.cluster_tier import make_remote_tier
-from lmcache_remote.storage.manager import read_share_bytes
+from lmcache_remote.storage.manager import fetchable_chunks, read_share_bytes
 from lmcache_remote.storage.redis_tier import RedisTier
 
 logger = logging.getLogger(__name__)
@@ -97,13 +97,10 @@ class PrefixLookup:
         return hit_tokens
 
     def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
-        room = self._read_share
-        for i, spec in enumerate(specs[:hits]):
-            room -= self._layout.nbytes(spec.num_tokens)
-            if room < 0:
-                self.metrics.inc("lookup.capped_tokens", specs[hits - 1].end - spec.start)
-                return i
-        return hits
+        fit = fetchable_chunks(specs, hits, self._layout, self._read_share)
+        if fit < hits:
+            self.metrics.inc("lookup.capped_tokens", specs[hits - 1].end - specs[fit].start)
+        return fit
 
     def close(self) -> None:
         if self._remote is not None:
