@@ -41,7 +41,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -175,6 +175,20 @@ def _listed_part_count(spec: ChunkSpec, head: Any) -> int | None:
             or chunk_hash != spec.key.hash_bytes or part_count < 1):
         return None
     return int(part_count)
+
+
+def byte_windows(sizes: Sequence[int], window_bytes: int) -> list[range]:
+    """Consecutive runs of indexes into `sizes`, each closed once it holds ``window_bytes``
+    (so at least one item): the windows of a put or a get."""
+    out, start, size = [], 0, 0
+    for i, nbytes in enumerate(sizes):
+        size += nbytes
+        if size >= window_bytes:
+            out.append(range(start, i + 1))
+            start, size = i + 1, 0
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
 
 def _nbytes(value: Any) -> int:
@@ -351,8 +365,7 @@ class RedisTier(StorageTier):
         if not keys:
             return []
         lanes = self.write_lanes if self.wire is not None else 1
-        windows = self._write_windows(objs, _WINDOW_BYTES // lanes if lanes > 1 else
-                                      _WINDOW_BYTES)
+        windows = self._write_windows(objs, _WINDOW_BYTES // lanes)
         pairs = list(zip(keys, objs, strict=True))
         landed = [False] * len(keys)
         error: BaseException | None = None
@@ -383,15 +396,7 @@ class RedisTier(StorageTier):
     def _write_windows(self, objs: Sequence[MemoryObj], window_bytes: int) -> list[range]:
         """Consecutive runs of chunk indexes, each about ``window_bytes`` of raw KV (at least
         one chunk)."""
-        out, start, size = [], 0, 0
-        for i, obj in enumerate(objs):
-            size += obj.nbytes
-            if size >= window_bytes:
-                out.append(range(start, i + 1))
-                start, size = i + 1, 0
-        if start < len(objs):
-            out.append(range(start, len(objs)))
-        return out
+        return byte_windows([obj.nbytes for obj in objs], window_bytes)
 
     def _encoded_cost(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> int:
         """Bytes encoding these chunks allocates, at most: none for raw (views), else their size."""
@@ -470,16 +475,10 @@ class RedisTier(StorageTier):
     # -- internals --------------------------------------------------------------------------
 
     def _windows(self, specs: Sequence[ChunkSpec], window_bytes: int = 0
-                 ) -> Iterator[Sequence[ChunkSpec]]:
-        window_bytes = window_bytes or _WINDOW_BYTES
-        start, size = 0, 0
-        for i, spec in enumerate(specs):
-            size += self.layout.nbytes(spec.num_tokens)
-            if size >= window_bytes:
-                yield specs[start:i + 1]
-                start, size = i + 1, 0
-        if start < len(specs):
-            yield specs[start:]
+                 ) -> list[Sequence[ChunkSpec]]:
+        """The specs cut into windows of about ``window_bytes`` (`_WINDOW_BYTES` by default)."""
+        sizes = [self.layout.nbytes(spec.num_tokens) for spec in specs]
+        return [specs[w.start:w.stop] for w in byte_windows(sizes, window_bytes or _WINDOW_BYTES)]
 
     def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
         def op() -> list[Any]:
@@ -519,10 +518,7 @@ class RedisTier(StorageTier):
         `read_lanes`, windows of `_WINDOW_BYTES / lanes` are fetched at once, each over its own
         connection, and taken in order (what follows a short window is released)."""
         lanes = self.read_lanes
-        if lanes <= 1:
-            windows = list(self._windows(specs))
-        else:
-            windows = list(self._windows(specs, _WINDOW_BYTES // lanes))
+        windows = self._windows(specs, _WINDOW_BYTES // max(1, lanes))
         if lanes <= 1 or len(windows) <= 1:
             for window in windows:
                 got, complete = self._get_window(window)
