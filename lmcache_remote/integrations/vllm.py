@@ -22,10 +22,14 @@ It follows the hook order of vLLM 0.33.0, the release it is tested inside
   (`kv_connector_no_forward`) runs the same hooks without the per-layer ones.
 
 The geometry (layers, heads, head size, MLA, the values' dtype) comes from the KV cache spec on
-both sides, so the scheduler's keys are the workers'. Loads and stores complete within the
-step (stores reach Redis through the engine's write-behind queue from CPU copies), so
-`request_finished` lets vLLM free blocks at once and `get_finished` has nothing to report. A
-failed load is reported through `get_block_ids_with_load_errors`; with vLLM's
+both sides, so the scheduler's keys are the workers'. A hit of at least
+`async_load_min_tokens` (default 1024) loads in the background: vLLM keeps the request waiting
+for remote KV while other requests run, and `get_finished` reports the load once it is over
+(its missing blocks with it); smaller hits load within the step. Stores complete within the
+step (they reach Redis through the engine's write-behind queue from CPU copies), so
+`request_finished` lets vLLM free blocks at once; with `async_save` they run in the background
+instead, `request_finished` asks vLLM to keep the blocks, and `get_finished` reports the
+stores done. A failed load is reported through `get_block_ids_with_load_errors`; with vLLM's
 `kv_load_failure_policy: recompute` vLLM recomputes those blocks (with its default, `fail`,
 it fails the request: the connector warns at start-up). No hook raises for a cache or Redis
 failure. While layer-wise transfer is on (the default), `requires_piecewise_for_cudagraph`
