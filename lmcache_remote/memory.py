@@ -28,7 +28,7 @@ import torch
 class MemoryObj:
     """One chunk's CPU buffer. Thread-safe reference counting; `tensor` is contiguous."""
 
-    __slots__ = ("_buffer", "_pool", "_refs", "tensor")
+    __slots__ = ("_buffer", "_pool", "_raw", "_refs", "tensor")
 
     def __init__(
         self, buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, pool: MemoryPool
@@ -36,6 +36,7 @@ class MemoryObj:
         self._buffer = buffer
         self._pool: MemoryPool | None = pool
         self._refs = 1
+        self._raw: memoryview | None = None
         self.tensor = buffer[: _nbytes(shape, dtype)].view(dtype).view(shape)
 
     @property
@@ -47,8 +48,11 @@ class MemoryObj:
         return self._refs
 
     def raw_view(self) -> memoryview:
-        """The chunk's bytes as a writable memoryview (no copy)."""
-        return memoryview(self.tensor.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+        """The chunk's bytes as a writable memoryview (no copy; made once per object)."""
+        raw = self._raw
+        if raw is None:  # the buffer is flat uint8 and the tensor its leading bytes
+            raw = self._raw = memoryview(self._buffer.numpy())[: self.nbytes]  # type: ignore[arg-type]
+        return raw
 
     def retain(self) -> MemoryObj:
         pool = self._pool

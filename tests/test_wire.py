@@ -1,11 +1,20 @@
 """The bulk RESP executor (storage/wire.py) against real servers: replies of every kind, error
-replies per command, values received in place, and connections that time out or break."""
+replies per command, values received in place, and connections that time out or break.
+
+Every test that reads replies runs twice, once with the Python reader and once with the native
+loop (lmcache_remote/_wire.c): the two must agree on every reply and every error. The native
+runs are skipped where the extension was not built, unless LMCR_REQUIRE_NATIVE=1 (the test
+command sets it), which makes them fail instead."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -13,8 +22,26 @@ from faultkit import bound
 from servers import RedisServer
 
 from lmcache_remote.config import CacheConfig
+from lmcache_remote.storage import wire as wire_mod
 from lmcache_remote.storage.client import client_kwargs
 from lmcache_remote.storage.wire import Arena, ArenaPool, BulkPipeline, pack, supports
+
+
+@pytest.fixture(params=[False, True], ids=["python", "native"])
+def native(request: pytest.FixtureRequest) -> bool:
+    """Which reader the test's `BulkPipeline` uses."""
+    if request.param and wire_mod._native is None:
+        if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
+            pytest.fail("lmcache_remote._wire is not built (pip install -e . builds it)")
+        pytest.skip("lmcache_remote._wire is not built here")
+    return bool(request.param)
+
+
+def test_the_native_loop_is_built_and_on_where_the_test_command_runs() -> None:
+    if os.environ.get("LMCR_REQUIRE_NATIVE") != "1":
+        pytest.skip("LMCR_REQUIRE_NATIVE is not set")
+    assert wire_mod._native is not None
+    assert wire_mod.NATIVE is (os.environ.get("LMCR_NATIVE_WIRE", "1") != "0")
 
 
 def _client(url: str, timeout: float = 2.0) -> redis.Redis:
@@ -31,9 +58,9 @@ def test_pack_sends_big_values_without_copying() -> None:
     )
 
 
-def test_replies_of_every_kind(redis_url: str, key_prefix: str) -> None:
+def test_replies_of_every_kind(redis_url: str, key_prefix: str, native: bool) -> None:
     client = _client(redis_url)
-    wire = BulkPipeline(client)
+    wire = BulkPipeline(client, native=native)
     k = f"{key_prefix}:a"
     big = bytes(range(256)) * 1000  # 256 kB: sent as a memoryview, received by recv_into
     replies = wire.execute([
@@ -53,11 +80,12 @@ def test_replies_of_every_kind(redis_url: str, key_prefix: str) -> None:
     client.close()
 
 
-def test_bulk_replies_land_where_the_sink_says(redis_url: str, key_prefix: str) -> None:
+def test_bulk_replies_land_where_the_sink_says(redis_url: str, key_prefix: str,
+                                               native: bool) -> None:
     client = _client(redis_url)
     client.set(f"{key_prefix}:x", b"abcdefghij")
     client.set(f"{key_prefix}:y", b"0123")
-    wire = BulkPipeline(client)
+    wire = BulkPipeline(client, native=native)
     dest = bytearray(14)
     view = memoryview(dest)
 
@@ -71,11 +99,11 @@ def test_bulk_replies_land_where_the_sink_says(redis_url: str, key_prefix: str) 
 
 
 def test_error_replies_are_raised_after_reading_everything(
-    redis_url: str, key_prefix: str
+    redis_url: str, key_prefix: str, native: bool
 ) -> None:
     client = _client(redis_url)
     client.rpush(f"{key_prefix}:list", b"x")
-    wire = BulkPipeline(client)
+    wire = BulkPipeline(client, native=native)
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         wire.execute([("GET", f"{key_prefix}:list"), ("SET", f"{key_prefix}:after", b"v")])
     assert client.get(f"{key_prefix}:after") == b"v"  # the command after the error still ran
@@ -103,13 +131,14 @@ def _streaming_batch(prefix: str, client: redis.Redis) -> tuple[list[tuple], lis
     return commands, sizes, expected
 
 
-def test_streamed_batch_reads_what_a_plain_batch_reads(redis_url: str, key_prefix: str) -> None:
+def test_streamed_batch_reads_what_a_plain_batch_reads(redis_url: str, key_prefix: str,
+                                                       native: bool) -> None:
     """Commands sent as replies come in give the same replies, in place where the sink says,
     raise an error reply only after reading everything, and leave the connection in step."""
     client = _client(redis_url)
     commands, sizes, expected = _streaming_batch(key_prefix, client)
     ok = [i for i, e in enumerate(expected) if isinstance(e, bytes)]
-    wire = BulkPipeline(client)
+    wire = BulkPipeline(client, native=native)
     dests = {i: memoryview(bytearray(sizes[i])) for i in ok}
     for inflight in (1, 200_000, 650_000, 10**9):
         for dest in dests.values():
@@ -133,9 +162,8 @@ def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
     redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each send goes out only when the replies asked for and not yet read stay within
-    ``inflight_bytes`` (or nothing is out: one command always goes)."""
-    from lmcache_remote.storage import wire as wire_mod
-
+    ``inflight_bytes`` (or nothing is out: one command always goes). The Python reader,
+    observed from inside; the native loop's bound is checked from the server side below."""
     client = _client(redis_url)
     commands, sizes, _ = _streaming_batch(key_prefix, client)
     del commands[8], sizes[8]
@@ -155,7 +183,7 @@ def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
     monkeypatch.setattr(wire_mod._Reader, "reply", reply)
     monkeypatch.setattr(BulkPipeline, "_send", staticmethod(send))
     bound = 650_000
-    BulkPipeline(client).execute(commands, reply_sizes=sizes, inflight_bytes=bound)
+    BulkPipeline(client, native=False).execute(commands, reply_sizes=sizes, inflight_bytes=bound)
     assert events[-1][1] == len(commands) and len(events) > 3
     for done, sent in events:
         out = sizes[done:sent]
@@ -174,26 +202,27 @@ def test_reads_ask_two_of_their_largest_replies_ahead_at_most_the_cap() -> None:
     assert read_ahead([9 * 2**20]) == INFLIGHT_BYTES
     assert read_ahead([]) == 0  # no replies, nothing to ask for
 
-def test_noperm_and_oom_replies(redis_factory: object, key_prefix: str) -> None:
+def test_noperm_and_oom_replies(redis_factory: object, key_prefix: str, native: bool) -> None:
     server: RedisServer = redis_factory()  # type: ignore[operator]
     admin = server.client()
     admin.acl_setuser("reader", enabled=True, passwords=["+pw"], keys=["*"],
                       commands=["+get", "+exists", "+ping", "+hello", "+client"])
     url = f"redis://reader:pw@127.0.0.1:{server.port}/0"
-    wire = BulkPipeline(_client(url))
+    wire = BulkPipeline(_client(url), native=native)
     with pytest.raises(redis.exceptions.NoPermissionError):
         wire.execute([("SET", "k", b"v")])
     assert wire.execute([("GET", "k")]) == [None]
     admin.config_set("maxmemory", 1)
     with pytest.raises(redis.ResponseError, match="OOM"):
-        BulkPipeline(admin).execute([("SET", "k", b"v" * 1000)])
+        BulkPipeline(admin, native=native).execute([("SET", "k", b"v" * 1000)])
     admin.close()
 
 
-def test_timeout_raises_and_the_connection_is_dropped(private_redis: RedisServer) -> None:
+def test_timeout_raises_and_the_connection_is_dropped(private_redis: RedisServer,
+                                                      native: bool) -> None:
     client = _client(private_redis.url, timeout=0.3)
     client.set("k", b"v" * 100_000)
-    wire = BulkPipeline(client)
+    wire = BulkPipeline(client, native=native)
     private_redis.pause()
     try:
         start = time.monotonic()
@@ -208,10 +237,11 @@ def test_timeout_raises_and_the_connection_is_dropped(private_redis: RedisServer
     client.close()
 
 
-def test_connection_lost_mid_reply_raises_connection_error(private_redis: RedisServer) -> None:
+def test_connection_lost_mid_reply_raises_connection_error(private_redis: RedisServer,
+                                                          native: bool) -> None:
     client = _client(private_redis.url, timeout=5.0)
     client.set("big", b"z" * 64 * 1024 * 1024)
-    wire = BulkPipeline(client)
+    wire = BulkPipeline(client, native=native)
     killer = threading.Timer(0.02, private_redis.kill)
     killer.start()
     with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
@@ -246,10 +276,11 @@ def test_arena_reuses_its_block() -> None:
     assert pool.acquire() is first
 
 
-def test_a_value_given_as_several_buffers_is_one_value(redis_url: str, key_prefix: str) -> None:
+def test_a_value_given_as_several_buffers_is_one_value(redis_url: str, key_prefix: str,
+                                                       native: bool) -> None:
     head, body = b"header:", memoryview(bytes(range(256)) * 400)  # body sent without a copy
     client = _client(redis_url)
-    wire = BulkPipeline(client)
+    wire = BulkPipeline(client, native=native)
     assert wire.execute([("SET", f"{key_prefix}:joined", (head, body))]) == [b"OK"]
     assert client.get(f"{key_prefix}:joined") == head + bytes(body)
     client.close()
@@ -260,10 +291,13 @@ def test_a_value_given_as_several_buffers_is_one_value(redis_url: str, key_prefi
     (("raw", 4096), ("lz4-planes", 8192)), (("lz4-planes", 100_000), ("raw", 4096)),
 ])
 def test_tier_reads_chunks_written_with_other_codec_or_part_size(
-    redis_url: str, key_prefix: str, write: tuple[str, int], read: tuple[str, int]
+    redis_url: str, key_prefix: str, write: tuple[str, int], read: tuple[str, int],
+    native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Raw replies are received straight into the chunk only when their length fits; a chunk
-    written with another part size or codec still decodes, exactly, through the header."""
+    written with another part size or codec still decodes, exactly, through the header (with
+    either reader)."""
+    monkeypatch.setattr(wire_mod, "NATIVE", native)
     import torch
 
     from lmcache_remote.hashing import KeyNamespace, TokenDatabase
@@ -289,7 +323,7 @@ def test_tier_reads_chunks_written_with_other_codec_or_part_size(
         return RedisTier(cfg, layout, pool, Metrics())
 
     writer, reader = tier(*write), tier(*read)
-    assert reader.wire is not None
+    assert reader.wire is not None and reader.wire.native is native
     assert writer.put([s.key for s in specs], objs) == len(specs)
     got = reader.get(specs)
     assert len(got) == len(specs)
@@ -327,3 +361,135 @@ def test_send_buffers_sends_every_byte_in_order_across_partial_sends() -> None:
     a.close()
     b.close()
     assert bytes(got) == want
+
+
+# -- both readers against a scripted server (one end of a socket pair) -------------------------
+
+
+def _scripted(native: bool, script: Callable[[socket.socket], None],
+              commands: list[tuple[str, str]], sink: Any = None,
+              sizes: list[int] | None = None, inflight: int = 0) -> list[Any]:
+    """Runs a batch on one end of a socket pair while ``script`` plays the server on the
+    other; returns the replies, or raises what `BulkPipeline.execute` would raise."""
+    client_end, server_end = socket.socketpair()
+    client_end.settimeout(20)
+    server_end.settimeout(20)
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            script(server_end)
+        except BaseException as exc:  # reported by the test, not lost in the thread
+            failure.append(exc)
+        finally:
+            server_end.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    pipeline = BulkPipeline(redis.Redis(), native=native)
+    try:
+        return pipeline._run(types.SimpleNamespace(_sock=client_end), commands, sink, sizes,
+                             inflight)
+    except BaseException as exc:
+        raise wire_mod.translate(exc) from exc
+    finally:
+        client_end.close()
+        thread.join(30)
+        assert not thread.is_alive()
+        if failure:
+            raise failure[0]
+
+
+def _gets(n: int) -> tuple[list[tuple[str, str]], list[bytes]]:
+    commands = [("GET", f"k{i}") for i in range(n)]
+    return commands, [wire_mod.pack_command(c) for c in commands]
+
+
+def _read_commands(sock: socket.socket, packed: list[bytes], have: bytearray, count: int
+                   ) -> None:
+    """Reads from ``sock`` until ``have`` holds the first ``count`` packed commands."""
+    want = sum(len(p) for p in packed[:count])
+    while len(have) < want:
+        data = sock.recv(65536)
+        assert data, "client closed early"
+        have += data
+    assert bytes(have[:want]) == b"".join(packed[:count])
+
+
+def test_every_reply_kind_byte_by_byte_reads_the_same(native: bool) -> None:
+    """Replies that arrive one byte per send (lines, lengths and CRLFs cut everywhere): both
+    readers return the same replies."""
+    commands, packed = _gets(8)
+    payload = bytes(range(256)) * 300
+    replies = [b"$%d\r\n%s\r\n" % (len(payload), payload), b"$-1\r\n", b":42\r\n",
+               b":-7\r\n", b"+OK\r\n", b"-ERR no such thing\r\n", b"$0\r\n\r\n",
+               b"$3\r\n\r\n\r\r\n"]
+    wire = b"".join(replies)
+
+    def script(sock: socket.socket) -> None:
+        _read_commands(sock, packed, bytearray(), len(packed))
+        for i in range(len(wire)):
+            sock.sendall(wire[i:i + 1])
+
+    got = _scripted(native, script, commands)
+    assert bytes(got[0]) == payload
+    assert got[1] is None and got[2] == 42 and got[3] == -7 and got[4] == b"OK"
+    assert isinstance(got[5], redis.ResponseError) and "no such thing" in str(got[5])
+    assert bytes(got[6]) == b"" and bytes(got[7]) == b"\r\n\r"
+
+
+@pytest.mark.parametrize("reply", [b"*1\r\n$1\r\na\r\n", b"$3\r\nabcXY", b"$x\r\n",
+                                   b":12a\r\n", b"$5\r\nab"])
+def test_a_reply_not_understood_or_cut_off_is_a_connection_error(native: bool, reply: bytes
+                                                                   ) -> None:
+    commands, packed = _gets(1)
+
+    def script(sock: socket.socket) -> None:
+        _read_commands(sock, packed, bytearray(), 1)
+        sock.sendall(reply)  # then the server end closes
+
+    with pytest.raises(redis.ConnectionError):
+        _scripted(native, script, commands)
+
+
+def test_bytes_after_the_last_reply_are_a_connection_error(native: bool) -> None:
+    commands, packed = _gets(1)
+
+    def script(sock: socket.socket) -> None:
+        _read_commands(sock, packed, bytearray(), 1)
+        sock.sendall(b"+OK\r\n+EXTRA\r\n")
+
+    with pytest.raises(redis.ConnectionError, match="unexpected bytes"):
+        _scripted(native, script, commands)
+
+
+def test_sends_follow_the_replies_within_the_bound(native: bool) -> None:
+    """Seen from the server: before reply k goes out the client has sent exactly the commands
+    whose replies, from k on, fit within ``inflight`` (at least command k), never more; the
+    payloads land where the sink says, bit for bit."""
+    sizes = [300_000 if i % 3 == 0 else 70_000 + i for i in range(24)]
+    bound = 650_000
+    commands, packed = _gets(len(sizes))
+    values = [bytes([i]) * n for i, n in enumerate(sizes)]
+    dests = [memoryview(bytearray(n)) for n in sizes]
+
+    def sent_before(k: int) -> int:
+        end, out = k + 1, sizes[k]
+        while end < len(sizes) and out + sizes[end] <= bound:
+            out += sizes[end]
+            end += 1
+        return end
+
+    def script(sock: socket.socket) -> None:
+        have = bytearray()
+        for k, value in enumerate(values):
+            expect = sent_before(k)
+            _read_commands(sock, packed, have, expect)
+            assert len(have) == sum(len(p) for p in packed[:expect]), k  # nothing more yet
+            sock.sendall(b"$%d\r\n" % len(value))
+            sock.sendall(value[:1000])
+            sock.sendall(value[1000:] + b"\r\n")
+
+    got = _scripted(native, script, commands, lambda i, n: dests[i], sizes, bound)
+    assert [bytes(d) for d in dests] == values
+    assert all(g is d for g, d in zip(got, dests, strict=True))

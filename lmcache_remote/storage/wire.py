@@ -24,10 +24,19 @@ Contract:
   may be used: the exception propagates and the caller drops what it got.
 - Only plain single-node `redis.Redis` clients qualify (`supports`); a cluster client keeps
   redis-py's pipeline. The executor is per connection pool, so a cluster could use one per node.
+
+Two readers speak this protocol. A batch of small commands only (GET, EXISTS, GETRANGE: the
+whole read path) runs in `lmcache_remote._wire` (lmcache_remote/_wire.c, built with the
+package) on a plain TCP or UNIX socket: sends and receives without the GIL, each bulk payload
+read by one ``readv`` into its destination and a small tail buffer, no copy through a receive
+buffer. Everything else (writes, TLS sockets, or where the extension was not built) runs in
+`_Reader`, the Python reference, with the same results and errors (tests/test_wire.py runs
+both). `NATIVE` says whether the native loop is used; ``LMCR_NATIVE_WIRE=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import threading
@@ -45,6 +54,13 @@ _CRLF = b"\r\n"
 _COALESCE = 64 * 1024  # values smaller than this are copied into the command buffer
 _RECV_CHUNK = 1024 * 1024
 _IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
+
+try:
+    from lmcache_remote import _wire as _native  # the C loop (lmcache_remote/_wire.c)
+except ImportError:  # not built here (no compiler at install): the Python reader does it all
+    _native = None  # type: ignore[assignment]
+#: Whether `BulkPipeline` runs batches of small commands in the native loop by default.
+NATIVE = _native is not None and os.environ.get("LMCR_NATIVE_WIRE", "1") != "0"
 
 
 def supports(client: object) -> TypeGuard[redis.Redis]:
@@ -219,6 +235,17 @@ class _Reader:
         raise redis.ConnectionError(f"protocol error: unexpected reply {line[:20]!r}")
 
 
+def translate(exc: BaseException) -> BaseException:
+    """The error `BulkPipeline.execute` raises for what its reader raised: redis-py's
+    TimeoutError for a socket timeout, its ConnectionError for a broken connection or a reply
+    not understood (both readers), anything else as it is."""
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return redis.TimeoutError(f"timeout on the bulk path: {exc}")
+    if isinstance(exc, (OSError, ValueError)) and not isinstance(exc, redis.RedisError):
+        return redis.ConnectionError(f"bulk path: {exc}")
+    return exc
+
+
 def _as_list(dest: memoryview | list[memoryview] | None, length: int) -> list[memoryview]:
     if dest is None:
         return [memoryview(bytearray(length))]
@@ -237,10 +264,14 @@ def _error(text: str) -> ResponseError:
 
 
 class BulkPipeline:
-    """Runs batches of commands over one pooled connection each; thread-safe like the pool."""
+    """Runs batches of commands over one pooled connection each; thread-safe like the pool.
+    ``native`` (default `NATIVE`) picks the reader for batches of small commands."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, native: bool | None = None) -> None:
         self.pool = client.connection_pool
+        if native and _native is None:
+            raise RuntimeError("lmcache_remote._wire is not built (see setup.py)")
+        self.native = NATIVE if native is None else native
 
     def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None, *,
                 reply_sizes: Sequence[int] | None = None, inflight_bytes: int = 0
@@ -261,11 +292,10 @@ class BulkPipeline:
         except BaseException as exc:
             conn.disconnect()
             self.pool.release(conn)
-            if isinstance(exc, (socket.timeout, TimeoutError)):
-                raise redis.TimeoutError(f"timeout on the bulk path: {exc}") from exc
-            if isinstance(exc, (OSError, ValueError)) and not isinstance(exc, redis.RedisError):
-                raise redis.ConnectionError(f"bulk path: {exc}") from exc
-            raise
+            mapped = translate(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
         self.pool.release(conn)
         for reply in replies:
             if isinstance(reply, ResponseError):
@@ -278,6 +308,15 @@ class BulkPipeline:
         if sock is None:
             conn.connect()
             sock = conn._sock
+        if self.native and _native is not None and not isinstance(sock, ssl.SSLSocket):
+            packed = _packed(commands)
+            if packed is not None:
+                timeout = sock.gettimeout()
+                replies: list[Reply] = _native.run_batch(
+                    sock.fileno(), -1.0 if timeout is None else timeout, packed,
+                    None if reply_sizes is None else list(reply_sizes), inflight_bytes, sink,
+                    _error)
+                return replies
         reader = _Reader(sock)
         if reply_sizes is None or inflight_bytes <= 0:
             self._send(sock, commands)
@@ -349,6 +388,18 @@ def pack_command(args: Sequence[str | bytes | int]) -> bytes:
     if packed is None:
         raise ValueError("pack_command takes str, int and small bytes arguments only")
     return packed
+
+
+def _packed(commands: Sequence[Sequence[Any]]) -> list[bytes] | None:
+    """Every command as one packed `bytes`, or None when one carries a buffer or a big value
+    (a write: the Python path sends it without copying)."""
+    out = []
+    for args in commands:
+        packed = args if isinstance(args, bytes) else _pack_small(args)
+        if packed is None:
+            return None
+        out.append(packed)
+    return out
 
 
 def _pack_small(args: Sequence[Any]) -> bytes | None:

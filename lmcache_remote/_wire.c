@@ -1,0 +1,546 @@
+/* The native receive loop of the bulk data path (lmcache_remote.storage.wire).
+ *
+ * One function, run_batch(), does what wire._Reader and BulkPipeline._run do for a batch of
+ * small commands (GET, EXISTS, GETRANGE: each already packed as bytes): it sends them as the
+ * replies come in (at most `inflight` reply bytes asked for and unread) and parses every RESP
+ * reply, receiving each bulk string straight into the buffers the Python sink returns for it.
+ * The payload of a bulk reply is read with readv() into its destination and a small tail of
+ * the receive buffer at once, so a reply costs about one system call and no second copy,
+ * and the GIL is released around every system call and copy, so several connections can
+ * read at once on several threads. Semantics are those of the Python reader (wire.py), which
+ * stays the fallback and the reference: the tests run both.
+ *
+ * Errors: a timeout raises TimeoutError, a closed connection ConnectionResetError, a reply
+ * this reader does not understand ValueError (wire.py maps them to redis-py's errors and
+ * disconnects the connection); an error reply (-ERR ...) becomes make_error(text) in the
+ * list and reading goes on, so the connection stays in step.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#define BUF_SIZE (64 * 1024)   /* receive buffer: header lines and small replies */
+#define TAIL_MAX (16 * 1024)   /* buffer bytes a payload read may also fill */
+#define LINE_MAX_BYTES (64 * 1024)
+#define MAX_IOV 64
+#define MAX_DESTS 16
+
+typedef struct {
+    int fd;
+    int timeout_ms; /* -1: wait for ever */
+    char *buf;
+    Py_ssize_t start, end;
+} reader_t;
+
+/* Waits until fd is ready for `events`; called without the GIL. Returns 0, or -1 with errno
+ * set (ETIMEDOUT when the wait ran out). */
+static int wait_fd(int fd, short events, int timeout_ms) {
+    struct pollfd p;
+    p.fd = fd;
+    p.events = events;
+    p.revents = 0;
+    int rc = poll(&p, 1, timeout_ms);
+    if (rc == 0) {
+        errno = ETIMEDOUT;
+        return -1;
+    }
+    return rc < 0 ? -1 : 0;
+}
+
+/* Raises the Python error for a failed system call (errno) and returns -1. */
+static int raise_errno(const char *what) {
+    if (errno == ETIMEDOUT) {
+        PyErr_Format(PyExc_TimeoutError, "%s timed out", what);
+    } else {
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return -1;
+}
+
+/* One readv() (POLLIN) or sendmsg() (POLLOUT) over `iov`, waiting while the socket is not
+ * ready (at most timeout_ms each time) and retrying after signals, without the GIL. Returns
+ * the byte count (> 0 for a send, >= 0 for a read: 0 is the server closing), or -1 with a
+ * Python error set. Takes and gives back the GIL. */
+static Py_ssize_t socket_io(reader_t *r, short events, struct iovec *iov, int iovcnt) {
+    for (;;) {
+        ssize_t n;
+        int err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (;;) {
+            if (events == POLLIN) {
+                n = readv(r->fd, iov, iovcnt);
+            } else {
+                struct msghdr msg;
+                memset(&msg, 0, sizeof(msg));
+                msg.msg_iov = iov;
+                msg.msg_iovlen = (size_t)iovcnt;
+                n = sendmsg(r->fd, &msg, MSG_NOSIGNAL);
+            }
+            if (n >= 0) {
+                break;
+            }
+            err = errno;
+            if ((err == EAGAIN || err == EWOULDBLOCK) && wait_fd(r->fd, events, r->timeout_ms) == 0) {
+                continue;
+            }
+            err = errno;
+            break;
+        }
+        Py_END_ALLOW_THREADS
+        if (n >= 0) {
+            return n;
+        }
+        if (err == EINTR) {
+            if (PyErr_CheckSignals() < 0) {
+                return -1;
+            }
+            continue;
+        }
+        errno = err;
+        return raise_errno(events == POLLIN ? "receive" : "send");
+    }
+}
+
+/* Reads at least one byte into the buffers; a closed connection is ConnectionResetError. */
+static Py_ssize_t read_some(reader_t *r, struct iovec *iov, int iovcnt) {
+    Py_ssize_t n = socket_io(r, POLLIN, iov, iovcnt);
+    if (n == 0) {
+        PyErr_SetString(PyExc_ConnectionResetError, "connection closed by the server");
+        return -1;
+    }
+    return n;
+}
+
+/* Fills the receive buffer with at least one more byte (compacting it first). */
+static int fill(reader_t *r) {
+    if (r->start == r->end) {
+        r->start = r->end = 0;
+    } else if (r->start > 0) {
+        memmove(r->buf, r->buf + r->start, (size_t)(r->end - r->start));
+        r->end -= r->start;
+        r->start = 0;
+    }
+    if (r->end == BUF_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "protocol error: reply line too long");
+        return -1;
+    }
+    struct iovec iov;
+    iov.iov_base = r->buf + r->end;
+    iov.iov_len = (size_t)(BUF_SIZE - r->end);
+    Py_ssize_t n = read_some(r, &iov, 1);
+    if (n < 0) {
+        return -1;
+    }
+    r->end += n;
+    return 0;
+}
+
+/* The next line (without CRLF): its start in r->buf and its length; r->start moves past it. */
+static int read_line(reader_t *r, const char **line, Py_ssize_t *len) {
+    Py_ssize_t rel = 1; /* where to look for '\n', from r->start: after at least the '\r' */
+    for (;;) {
+        char *base = r->buf;
+        Py_ssize_t from = r->start + rel;
+        char *nl = from < r->end ? memchr(base + from, '\n', (size_t)(r->end - from)) : NULL;
+        while (nl != NULL && nl[-1] != '\r') {
+            nl = memchr(nl + 1, '\n', (size_t)(base + r->end - (nl + 1)));
+        }
+        if (nl != NULL) {
+            *line = base + r->start;
+            *len = (nl - 1) - (base + r->start);
+            r->start = (nl - base) + 1;
+            return 0;
+        }
+        if (r->end - r->start >= LINE_MAX_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "protocol error: reply line too long");
+            return -1;
+        }
+        rel = r->end - r->start > 1 ? r->end - r->start : 1;
+        if (fill(r) < 0) {
+            return -1;
+        }
+    }
+}
+
+static int parse_int(const char *s, Py_ssize_t len, long long *out) {
+    if (len <= 0 || len > 20) {
+        return -1;
+    }
+    int neg = 0;
+    Py_ssize_t i = 0;
+    if (s[0] == '-') {
+        neg = 1;
+        i = 1;
+        if (len == 1) {
+            return -1;
+        }
+    }
+    long long v = 0;
+    for (; i < len; i++) {
+        if (s[i] < '0' || s[i] > '9') {
+            return -1;
+        }
+        if (v > (LLONG_MAX - (s[i] - '0')) / 10) {
+            return -1;
+        }
+        v = v * 10 + (s[i] - '0');
+    }
+    *out = neg ? -v : v;
+    return 0;
+}
+
+/* Receives `length` payload bytes into the buffers, then the CRLF after them. */
+static int read_payload(reader_t *r, Py_buffer *views, int nviews) {
+    int d = 0;              /* current destination */
+    Py_ssize_t pos = 0;     /* bytes of views[d] filled */
+    /* What is buffered already goes first. */
+    while (d < nviews && r->start < r->end) {
+        Py_ssize_t want = views[d].len - pos;
+        Py_ssize_t have = r->end - r->start;
+        Py_ssize_t n = want < have ? want : have;
+        if (n > 0) { /* at most BUF_SIZE bytes: not worth releasing the GIL */
+            memcpy((char *)views[d].buf + pos, r->buf + r->start, (size_t)n);
+        }
+        r->start += n;
+        pos += n;
+        if (pos == views[d].len) {
+            d++;
+            pos = 0;
+        }
+    }
+    if (r->start == r->end) {
+        r->start = r->end = 0;
+    }
+    /* The rest straight from the socket, with a small tail of the buffer behind it (the CRLF
+     * and the next reply's header come in the same call). */
+    while (d < nviews) {
+        struct iovec iov[MAX_IOV + 1];
+        int cnt = 0;
+        for (int k = d; k < nviews && cnt < MAX_IOV; k++) {
+            Py_ssize_t off = k == d ? pos : 0;
+            if (views[k].len - off > 0) {
+                iov[cnt].iov_base = (char *)views[k].buf + off;
+                iov[cnt].iov_len = (size_t)(views[k].len - off);
+                cnt++;
+            }
+        }
+        if (cnt == 0) {
+            break;
+        }
+        /* the buffer is empty here (everything buffered went into the destinations) */
+        iov[cnt].iov_base = r->buf;
+        iov[cnt].iov_len = TAIL_MAX;
+        Py_ssize_t n = read_some(r, iov, cnt + 1);
+        if (n < 0) {
+            return -1;
+        }
+        while (n > 0 && d < nviews) {
+            Py_ssize_t room = views[d].len - pos;
+            Py_ssize_t take = n < room ? n : room;
+            pos += take;
+            n -= take;
+            if (pos == views[d].len) {
+                d++;
+                pos = 0;
+            }
+        }
+        if (n > 0) { /* went into the tail */
+            r->start = 0;
+            r->end = n;
+        }
+    }
+    while (r->end - r->start < 2) {
+        if (fill(r) < 0) {
+            return -1;
+        }
+    }
+    if (r->buf[r->start] != '\r' || r->buf[r->start + 1] != '\n') {
+        PyErr_SetString(PyExc_ValueError, "protocol error: bulk reply not terminated");
+        return -1;
+    }
+    r->start += 2;
+    return 0;
+}
+
+/* One bulk reply of `length` bytes: its destination from the sink (or a fresh bytearray),
+ * filled. Returns a new reference to the reply object. */
+static PyObject *bulk_reply(reader_t *r, Py_ssize_t index, Py_ssize_t length, PyObject *sink) {
+    PyObject *dest = Py_None;
+    Py_INCREF(dest);
+    if (sink != Py_None) {
+        Py_DECREF(dest);
+        dest = PyObject_CallFunction(sink, "nn", index, length);
+        if (dest == NULL) {
+            return NULL;
+        }
+    }
+    PyObject *items[MAX_DESTS];
+    int nitems = 0;
+    PyObject *reply = NULL;
+    if (dest == Py_None) {
+        Py_DECREF(dest);
+        PyObject *fresh = PyByteArray_FromStringAndSize(NULL, length);
+        if (fresh == NULL) {
+            return NULL;
+        }
+        dest = PyMemoryView_FromObject(fresh);
+        Py_DECREF(fresh);
+        if (dest == NULL) {
+            return NULL;
+        }
+    }
+    if (PyList_Check(dest)) {
+        Py_ssize_t n = PyList_GET_SIZE(dest);
+        if (n < 1 || n > MAX_DESTS) {
+            PyErr_Format(PyExc_ValueError, "sink returned %zd buffers (1 to %d allowed)", n,
+                         MAX_DESTS);
+            Py_DECREF(dest);
+            return NULL;
+        }
+        for (Py_ssize_t k = 0; k < n; k++) {
+            items[nitems++] = PyList_GET_ITEM(dest, k);
+        }
+        reply = n == 1 ? PyList_GET_ITEM(dest, 0) : dest;
+    } else {
+        items[nitems++] = dest;
+        reply = dest;
+    }
+    Py_buffer views[MAX_DESTS];
+    int got = 0;
+    Py_ssize_t total = 0;
+    int rc = -1;
+    for (; got < nitems; got++) {
+        if (PyObject_GetBuffer(items[got], &views[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        total += views[got].len;
+    }
+    if (total != length) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sink returned buffers that do not add up to the reply length");
+        goto done;
+    }
+    rc = read_payload(r, views, nitems);
+done:
+    for (int k = 0; k < got; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    if (rc < 0) {
+        Py_DECREF(dest);
+        return NULL;
+    }
+    Py_INCREF(reply);
+    Py_DECREF(dest);
+    return reply;
+}
+
+/* One reply of any kind; a new reference. */
+static PyObject *read_reply(reader_t *r, Py_ssize_t index, PyObject *sink, PyObject *make_error) {
+    const char *line;
+    Py_ssize_t len;
+    if (read_line(r, &line, &len) < 0) {
+        return NULL;
+    }
+    if (len < 1) {
+        PyErr_SetString(PyExc_ValueError, "protocol error: empty reply line");
+        return NULL;
+    }
+    char kind = line[0];
+    long long value;
+    switch (kind) {
+    case '$':
+        if (parse_int(line + 1, len - 1, &value) < 0) {
+            PyErr_SetString(PyExc_ValueError, "protocol error: bad bulk length");
+            return NULL;
+        }
+        if (value < 0) {
+            Py_RETURN_NONE;
+        }
+        if (value > PY_SSIZE_T_MAX / 2) {
+            PyErr_SetString(PyExc_ValueError, "protocol error: bulk length too large");
+            return NULL;
+        }
+        return bulk_reply(r, index, (Py_ssize_t)value, sink);
+    case ':':
+        if (parse_int(line + 1, len - 1, &value) < 0) {
+            PyErr_SetString(PyExc_ValueError, "protocol error: bad integer reply");
+            return NULL;
+        }
+        return PyLong_FromLongLong(value);
+    case '+':
+        return PyBytes_FromStringAndSize(line + 1, len - 1);
+    case '-':
+        return PyObject_CallFunction(make_error, "s#", line + 1, len - 1);
+    case '_':
+        Py_RETURN_NONE;
+    default: {
+        Py_ssize_t show = len < 20 ? len : 20;
+        PyObject *shown = PyBytes_FromStringAndSize(line, show);
+        if (shown != NULL) {
+            PyErr_Format(PyExc_ValueError, "protocol error: unexpected reply %R", shown);
+            Py_DECREF(shown);
+        }
+        return NULL;
+    }
+    }
+}
+
+/* Sends every byte of commands[from:to] (bytes objects), with waits and EINTR handling. */
+static int send_commands(reader_t *r, PyObject *commands, Py_ssize_t from, Py_ssize_t to) {
+    while (from < to) {
+        struct iovec iov[MAX_IOV];
+        int cnt = 0;
+        for (Py_ssize_t k = from; k < to && cnt < MAX_IOV; k++) {
+            PyObject *item = PyList_GET_ITEM(commands, k);
+            iov[cnt].iov_base = PyBytes_AS_STRING(item);
+            iov[cnt].iov_len = (size_t)PyBytes_GET_SIZE(item);
+            cnt++;
+        }
+        int idx = 0;
+        while (idx < cnt) {
+            Py_ssize_t n = socket_io(r, POLLOUT, iov + idx, cnt - idx);
+            if (n < 0) {
+                return -1;
+            }
+            while (n > 0 && idx < cnt) {
+                if ((size_t)n >= iov[idx].iov_len) {
+                    n -= (ssize_t)iov[idx].iov_len;
+                    idx++;
+                } else {
+                    iov[idx].iov_base = (char *)iov[idx].iov_base + n;
+                    iov[idx].iov_len -= (size_t)n;
+                    n = 0;
+                }
+            }
+        }
+        from += cnt;
+    }
+    return 0;
+}
+
+static PyObject *run_batch(PyObject *self, PyObject *args) {
+    int fd;
+    double timeout;
+    PyObject *commands, *sizes, *sink, *make_error;
+    Py_ssize_t inflight;
+    if (!PyArg_ParseTuple(args, "idO!OnOO", &fd, &timeout, &PyList_Type, &commands, &sizes,
+                          &inflight, &sink, &make_error)) {
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(commands);
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (!PyBytes_Check(PyList_GET_ITEM(commands, k))) {
+            PyErr_SetString(PyExc_TypeError, "run_batch takes packed commands (bytes)");
+            return NULL;
+        }
+    }
+    long long *want = NULL;
+    if (sizes != Py_None) {
+        if (!PyList_Check(sizes) || PyList_GET_SIZE(sizes) != count) {
+            PyErr_SetString(PyExc_ValueError, "reply sizes must be a list, one per command");
+            return NULL;
+        }
+        want = PyMem_Malloc(sizeof(long long) * (size_t)(count ? count : 1));
+        if (want == NULL) {
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t k = 0; k < count; k++) {
+            want[k] = PyLong_AsLongLong(PyList_GET_ITEM(sizes, k));
+            if (want[k] == -1 && PyErr_Occurred()) {
+                PyMem_Free(want);
+                return NULL;
+            }
+        }
+    }
+    reader_t r;
+    r.fd = fd;
+    r.timeout_ms = timeout < 0 ? -1 : timeout * 1000.0 >= (double)INT_MAX ? INT_MAX
+                                                : (int)(timeout * 1000.0 + 0.999);
+    r.start = r.end = 0;
+    r.buf = PyMem_Malloc(BUF_SIZE);
+    PyObject *out = PyList_New(count);
+    if (r.buf == NULL || out == NULL) {
+        PyMem_Free(want);
+        PyMem_Free(r.buf);
+        Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t sent = 0;
+    long long outstanding = 0;
+    if (want == NULL || inflight <= 0) {
+        if (send_commands(&r, commands, 0, count) < 0) {
+            goto fail;
+        }
+        sent = count;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (sent < count) {
+            Py_ssize_t end = sent;
+            while (end < count && (end == i || outstanding + want[end] <= inflight)) {
+                outstanding += want[end];
+                end++;
+            }
+            if (end > sent) {
+                if (send_commands(&r, commands, sent, end) < 0) {
+                    goto fail;
+                }
+                sent = end;
+            }
+        }
+        PyObject *reply = read_reply(&r, i, sink, make_error);
+        if (reply == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(out, i, reply);
+        if (want != NULL) {
+            outstanding -= want[i];
+        }
+    }
+    if (r.start != r.end) {
+        PyErr_SetString(PyExc_ValueError, "protocol error: unexpected bytes after the replies");
+        goto fail;
+    }
+    PyMem_Free(want);
+    PyMem_Free(r.buf);
+    return out;
+fail:
+    PyMem_Free(want);
+    PyMem_Free(r.buf);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *address(PyObject *self, PyObject *obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    void *at = view.buf;
+    PyBuffer_Release(&view);
+    return PyLong_FromVoidPtr(at);
+}
+
+static PyMethodDef methods[] = {
+    {"address", address, METH_O,
+     "address(buffer) -> int\n\nWhere a contiguous buffer's memory starts."},
+    {"run_batch", run_batch, METH_VARARGS,
+     "run_batch(fd, timeout, commands, reply_sizes, inflight, sink, make_error) -> replies\n\n"
+     "Sends the packed commands (all at once, or as replies come in when reply_sizes is a\n"
+     "list and inflight > 0) and reads one reply per command; see lmcache_remote/_wire.c."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "lmcache_remote._wire",
+    "The native receive loop of the bulk data path (see wire.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__wire(void) { return PyModule_Create(&module); }
