@@ -295,7 +295,7 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         if bool((slots < 0).any()):
             position = _first_position(ranges, int(torch.nonzero(slots < 0)[0]))
             raise ValueError(f"token {position} has a negative slot (padding); cannot copy it")
-        if write and len(torch.unique(slots)) != len(slots):
+        if write and _has_duplicates(slots.numpy(), self.block_size):
             raise ValueError("scatter ranges map two tokens to the same slot")
 
     def _index(self, ranges: list[Range]) -> list[torch.Tensor | None]:
@@ -395,9 +395,12 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         return staged.unsqueeze(1).unsqueeze(3)
 
     def _slots_of(self, ranges: list[Range]) -> torch.Tensor:
+        """The slots of ``ranges``, concatenated (numpy slices: a torch slice costs ~4x more,
+        and a store of 256 chunks asks for 256 of them)."""
         if not ranges:
             return self._slots[:0]
-        return torch.cat([self._slots[start:end] for start, end in ranges])
+        slots = self._slots.numpy()
+        return torch.from_numpy(np.concatenate([slots[start:end] for start, end in ranges]))
 
 
 _Spans = list[tuple[int, int, int]]
@@ -528,7 +531,8 @@ def _run_split(work: Callable[[Sequence[_Item]], None], items: Sequence[_Item]) 
         return
     with _pool_lock:
         if _pool is None or _pool[0] < threads:
-            old, _pool = _pool, (threads, ThreadPoolExecutor(threads, "lmcr-copy"))
+            old, _pool = _pool, (threads, ThreadPoolExecutor(
+                threads, "lmcr-copy", initializer=_single_threaded_ops))
             if old is not None:
                 old[1].shutdown(wait=False)
         pool = _pool[1]
@@ -536,6 +540,14 @@ def _run_split(work: Callable[[Sequence[_Item]], None], items: Sequence[_Item]) 
     futures = [pool.submit(work, items[i:i + step]) for i in range(0, len(items), step)]
     for future in futures:
         future.result()
+
+
+def _single_threaded_ops() -> None:
+    """A copy thread runs its torch ops on itself alone (OpenMP's thread count is per thread,
+    so the caller's is untouched): the copies are already split over the pool, and each
+    `index_select` fanning out again over torch's intra-op threads doubled the CPU they cost
+    for no gain in speed."""
+    torch.set_num_threads(1)
 
 
 def _bytes(rows: torch.Tensor) -> np.ndarray:
@@ -548,6 +560,20 @@ def _check_disjoint(ranges: list[Range]) -> None:
     for (_, end), (start, _) in pairwise(ordered):
         if start < end:
             raise ValueError("scatter ranges overlap")
+
+
+def _has_duplicates(slots: np.ndarray, block_size: int) -> bool:
+    """Whether two of ``slots`` are the same. When they are whole blocks (every run of
+    ``block_size`` is one block's slots in order, vLLM's usual mapping) only the block ids are
+    compared, else all slots (a sort either way: `torch.unique` cost ~50x more)."""
+    if len(slots) % block_size == 0 and len(slots):
+        per_block = slots.reshape(-1, block_size)
+        firsts = per_block[:, 0]
+        if bool((firsts % block_size == 0).all()) and bool(
+                (per_block - firsts[:, None] == np.arange(block_size)).all()):
+            slots = firsts
+    ordered = np.sort(slots)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _first_position(ranges: list[Range], flat_index: int) -> int:
