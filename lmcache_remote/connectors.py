@@ -291,11 +291,11 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         return (num_tokens, self.head_size)
 
     def _check_tokens(self, ranges: list[Range], write: bool) -> None:
-        slots = self._slots_of(ranges)
+        slots = self._slots_np(ranges)
         if bool((slots < 0).any()):
-            position = _first_position(ranges, int(torch.nonzero(slots < 0)[0]))
+            position = _first_position(ranges, int(np.flatnonzero(slots < 0)[0]))
             raise ValueError(f"token {position} has a negative slot (padding); cannot copy it")
-        if write and _has_duplicates(slots.numpy(), self.block_size):
+        if write and _has_duplicates(slots, self.block_size):
             raise ValueError("scatter ranges map two tokens to the same slot")
 
     def _index(self, ranges: list[Range]) -> list[torch.Tensor | None]:
@@ -335,10 +335,11 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
             planes = cache_rows[rows]
             chunk = host[layers.start:layers.stop].view(len(planes), len(index), -1)
             if to_host:
-                reads += zip(planes, [index] * len(planes), chunk.unbind(0), strict=True)
+                rows_index = torch.from_numpy(index)
+                reads += zip(planes, [rows_index] * len(planes), chunk.unbind(0), strict=True)
             else:
-                index_np, chunk_bytes = index.numpy(), _bytes(chunk)
-                writes += ((c, index_np, chunk_bytes[k]) for k, c in enumerate(cache_bytes[rows]))
+                chunk_bytes = _bytes(chunk)
+                writes += ((c, index, chunk_bytes[k]) for k, c in enumerate(cache_bytes[rows]))
         if reads:
             _run_split(_select_rows, reads)
         if writes:
@@ -353,38 +354,38 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
             out += [plane.view(rows, -1) for plane in planes]
         return out
 
-    def _row_indexes(self, ranges: list[Range]) -> list[tuple[int, torch.Tensor]]:
+    def _row_indexes(self, ranges: list[Range]) -> list[tuple[int, np.ndarray]]:
         """`_row_index` of each range's slots, the block test run once over all of them when
-        every range is whole blocks long (per range it cost ~10 small torch calls, as much as
-        the copy of a 1 MiB chunk's rows)."""
-        size = self.block_size
+        every range is whole blocks long, in numpy (per range it cost ~10 small torch calls,
+        as much as the copy of a 1 MiB chunk's rows)."""
+        size, slots = self.block_size, self._slots.numpy()
         if not ranges or any((end - start) % size or end == start for start, end in ranges):
-            return [self._row_index(self._slots[start:end]) for start, end in ranges]
-        per_block = self._slots_of(ranges).view(-1, size)
+            return [self._row_index(slots[start:end]) for start, end in ranges]
+        per_block = self._slots_np(ranges).reshape(-1, size)
         firsts = per_block[:, 0]
-        whole = ((per_block - firsts[:, None] == torch.arange(size)).all(dim=1)
-                 & (firsts % size == 0)).cpu().numpy()
-        ids = torch.div(firsts, size, rounding_mode="floor")
+        whole = ((per_block - firsts[:, None] == np.arange(size)).all(axis=1)
+                 & (firsts % size == 0))
+        ids = firsts // size
         out, pos = [], 0
         for start, end in ranges:
             count = (end - start) // size
             if whole[pos:pos + count].all():
                 out.append((self.num_blocks, ids[pos:pos + count]))
             else:
-                out.append((self.num_blocks * size, self._slots[start:end]))
+                out.append((self.num_blocks * size, slots[start:end]))
             pos += count
         return out
 
-    def _row_index(self, slots: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def _row_index(self, slots: np.ndarray) -> tuple[int, np.ndarray]:
         """(rows per plane, row index): block ids when `slots` are whole blocks, each in
         order from its first offset; slot ids otherwise."""
         size = self.block_size
         if len(slots) % size == 0 and len(slots):
-            per_block = slots.view(-1, size)
+            per_block = slots.reshape(-1, size)
             firsts = per_block[:, 0]
-            in_order = per_block - firsts[:, None] == torch.arange(size)
+            in_order = per_block - firsts[:, None] == np.arange(size)
             if bool((firsts % size == 0).all()) and bool(in_order.all()):
-                return self.num_blocks, torch.div(firsts, size, rounding_mode="floor")
+                return self.num_blocks, firsts // size
         return self.num_blocks * size, slots
 
     def _to_canonical(self, staged: torch.Tensor) -> torch.Tensor:
@@ -395,12 +396,15 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         return staged.unsqueeze(1).unsqueeze(3)
 
     def _slots_of(self, ranges: list[Range]) -> torch.Tensor:
-        """The slots of ``ranges``, concatenated (numpy slices: a torch slice costs ~4x more,
-        and a store of 256 chunks asks for 256 of them)."""
-        if not ranges:
-            return self._slots[:0]
+        return torch.from_numpy(self._slots_np(ranges))
+
+    def _slots_np(self, ranges: list[Range]) -> np.ndarray:
+        """The slots of ``ranges``, concatenated, in numpy (a torch slice or op costs ~4x
+        more, and a store of 256 chunks asks for 256 of them)."""
         slots = self._slots.numpy()
-        return torch.from_numpy(np.concatenate([slots[start:end] for start, end in ranges]))
+        if not ranges:
+            return slots[:0]
+        return np.concatenate([slots[start:end] for start, end in ranges])
 
 
 _Spans = list[tuple[int, int, int]]
