@@ -31,13 +31,28 @@
 #define LINE_MAX_BYTES (64 * 1024)
 #define MAX_IOV 64
 #define MAX_DESTS 16
+#define LOWAT_MAX (512 * 1024) /* the most SO_RCVLOWAT is raised to */
 
 typedef struct {
     int fd;
     int timeout_ms; /* -1: wait for ever */
     char *buf;
     Py_ssize_t start, end;
+    int lowat;      /* the socket's SO_RCVLOWAT now */
+    int want_lowat; /* what the next wait for input needs: 1, or part of a payload's rest */
 } reader_t;
+
+/* Sets SO_RCVLOWAT to what the coming wait needs (no GIL needed). While a big payload is
+ * coming, waking up for each 64 KiB that arrives costs a poll and a read each; with the low
+ * mark at the bytes still due (up to LOWAT_MAX) the wait ends when they are there. Every byte
+ * counted is sure to come (it is the rest of a reply being received), a closed connection
+ * still wakes the wait, and the mark is 1 again before any wait for a reply's first line. */
+static void set_lowat(reader_t *r, int want) {
+    if (r->lowat != want &&
+        setsockopt(r->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) {
+        r->lowat = want;
+    }
+}
 
 /* Waits until fd is ready for `events`; called without the GIL. Returns 0, or -1 with errno
  * set (ETIMEDOUT when the wait ran out). */
@@ -87,8 +102,13 @@ static Py_ssize_t socket_io(reader_t *r, short events, struct iovec *iov, int io
                 break;
             }
             err = errno;
-            if ((err == EAGAIN || err == EWOULDBLOCK) && wait_fd(r->fd, events, r->timeout_ms) == 0) {
-                continue;
+            if (err == EAGAIN || err == EWOULDBLOCK) {
+                if (events == POLLIN) {
+                    set_lowat(r, r->want_lowat);
+                }
+                if (wait_fd(r->fd, events, r->timeout_ms) == 0) {
+                    continue;
+                }
             }
             err = errno;
             break;
@@ -134,6 +154,7 @@ static int fill(reader_t *r) {
     struct iovec iov;
     iov.iov_base = r->buf + r->end;
     iov.iov_len = (size_t)(BUF_SIZE - r->end);
+    r->want_lowat = 1;
     Py_ssize_t n = read_some(r, &iov, 1);
     if (n < 0) {
         return -1;
@@ -223,14 +244,17 @@ static int read_payload(reader_t *r, Py_buffer *views, int nviews) {
     while (d < nviews) {
         struct iovec iov[MAX_IOV + 1];
         int cnt = 0;
+        Py_ssize_t due = 0;
         for (int k = d; k < nviews && cnt < MAX_IOV; k++) {
             Py_ssize_t off = k == d ? pos : 0;
             if (views[k].len - off > 0) {
                 iov[cnt].iov_base = (char *)views[k].buf + off;
                 iov[cnt].iov_len = (size_t)(views[k].len - off);
+                due += views[k].len - off;
                 cnt++;
             }
         }
+        r->want_lowat = due < LOWAT_MAX ? (int)due : LOWAT_MAX;
         if (cnt == 0) {
             break;
         }
@@ -464,6 +488,7 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     r.timeout_ms = timeout < 0 ? -1 : timeout * 1000.0 >= (double)INT_MAX ? INT_MAX
                                                 : (int)(timeout * 1000.0 + 0.999);
     r.start = r.end = 0;
+    r.lowat = r.want_lowat = 1;
     r.buf = PyMem_Malloc(BUF_SIZE);
     PyObject *out = PyList_New(count);
     if (r.buf == NULL || out == NULL) {
@@ -507,10 +532,12 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "protocol error: unexpected bytes after the replies");
         goto fail;
     }
+    set_lowat(&r, 1); /* the connection goes back to redis-py as it came */
     PyMem_Free(want);
     PyMem_Free(r.buf);
     return out;
 fail:
+    set_lowat(&r, 1);
     PyMem_Free(want);
     PyMem_Free(r.buf);
     Py_DECREF(out);

@@ -192,15 +192,58 @@ def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
 
 
 
-def test_reads_ask_two_of_their_largest_replies_ahead_at_most_the_cap() -> None:
-    """The fast read path's in-flight bound follows the replies: two of the largest (a 1 MiB
-    chunk's head and the next), never more than `INFLIGHT_BYTES` (32 MiB chunks' parts)."""
+def test_reads_ask_two_of_their_largest_chunks_ahead_at_most_the_cap() -> None:
+    """The fast read path's in-flight bound follows the chunks: two of the largest (the one
+    being read and the next), never more than `INFLIGHT_BYTES` (32 MiB chunks' parts)."""
     from lmcache_remote.storage.redis_tier import INFLIGHT_BYTES, read_ahead
 
-    assert read_ahead([1_044_160, 4_416] * 256) == 2 * 1_044_160
-    assert read_ahead([3_655_232] * 10) == 2 * 3_655_232 <= INFLIGHT_BYTES
-    assert read_ahead([9 * 2**20]) == INFLIGHT_BYTES
+    assert read_ahead([1_044_160 + 4_416] * 256) == 2 * 2**20  # head and tail: a whole chunk
+    assert read_ahead([3 * 2**20, 2**20]) == 6 * 2**20 <= INFLIGHT_BYTES
+    assert read_ahead([33 * 2**20]) == INFLIGHT_BYTES
     assert read_ahead([]) == 0  # no replies, nothing to ask for
+
+
+def test_a_get_keeps_two_whole_chunks_asked_ahead(redis_url: str, key_prefix: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `RedisTier.get` asks its connection for: two chunks' worth of replies ahead, so
+    with a head and a tail per chunk (1 MiB chunks) the next chunk's head is asked for before
+    this chunk's is read."""
+    import torch
+
+    from lmcache_remote.hashing import KeyNamespace, TokenDatabase
+    from lmcache_remote.memory import ChunkLayout, MemoryPool
+    from lmcache_remote.metrics import Metrics
+    from lmcache_remote.storage.redis_tier import RedisTier
+
+    layout = ChunkLayout(4, 2, 128, torch.bfloat16)  # 4 KiB per token: 1 MiB per chunk
+    db = TokenDatabase(KeyNamespace("ahead/model", 1, 0, "bfloat16"), 256, save_unfull_chunk=True)
+    specs = db.chunks(list(range(256 * 4)))
+    pool = MemoryPool(64 * 1024 * 1024, pin_memory=False)
+    objs = [pool.allocate(layout.shape(s.num_tokens), layout.dtype) for s in specs]
+    for i, obj in enumerate(objs):
+        assert obj is not None
+        obj.tensor.fill_(i)
+    tier = RedisTier(CacheConfig(remote_url=redis_url, key_prefix=key_prefix, serde="raw"),
+                     layout, pool, Metrics())
+    assert tier.put([s.key for s in specs], objs) == len(specs)  # type: ignore[arg-type]
+    assert all(len(tier._keys(s)) == 2 for s in specs)  # a head and a tail each
+    seen: list[tuple[list[int], int]] = []
+    real = BulkPipeline.execute
+
+    def execute(self, commands, sink=None, *, reply_sizes=None, inflight_bytes=0):  # type: ignore[no-untyped-def]
+        if reply_sizes is not None:
+            seen.append((list(reply_sizes), inflight_bytes))
+        return real(self, commands, sink, reply_sizes=reply_sizes,
+                    inflight_bytes=inflight_bytes)
+
+    monkeypatch.setattr(BulkPipeline, "execute", execute)
+    got = tier.get(specs)
+    assert [int(o.tensor[0, 0, 0, 0, 0]) for o in got] == list(range(len(specs)))
+    assert seen and all(ahead >= sum(sizes[:4]) for sizes, ahead in seen)  # two chunks
+    for obj in got + objs:
+        obj.release()  # type: ignore[union-attr]
+    tier.close()
+
 
 def test_noperm_and_oom_replies(redis_factory: object, key_prefix: str, native: bool) -> None:
     server: RedisServer = redis_factory()  # type: ignore[operator]

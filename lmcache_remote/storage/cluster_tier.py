@@ -53,7 +53,6 @@ from lmcache_remote.storage.redis_tier import (
     RedisTier,
     chunk_write_command,
     command_key,
-    read_ahead,
 )
 from lmcache_remote.storage.wire import BulkPipeline, Reply, Sink
 from lmcache_remote.urls import parse_remote_url
@@ -184,8 +183,8 @@ class ClusterRedisTier(RedisTier):
     def _fast_reads(self) -> bool:
         return True
 
-    def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int]
-                  ) -> list[Reply]:
+    def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
+                  ahead: int) -> list[Reply]:
         """The GETs scattered per node, each node's replies received where ``sink`` says (the
         sink is called from the nodes' threads one at a time); a failed node's values are
         misses (None)."""
@@ -195,7 +194,7 @@ class ClusterRedisTier(RedisTier):
             with lock:
                 return sink(index, length)
 
-        results = self._run(commands, "get", receive=(locked, sizes))
+        results = self._run(commands, "get", receive=(locked, sizes, ahead))
         return [None if r is FAILED or isinstance(r, Exception) else r for r in results]
 
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> list[bool]:
@@ -244,13 +243,14 @@ class ClusterRedisTier(RedisTier):
     # -- scatter / gather ---------------------------------------------------------------------
 
     def _run(self, commands: Sequence[Command], what: str, bulk: bool = True,
-             receive: tuple[Sink, Sequence[int]] | None = None) -> list[Any]:
+             receive: tuple[Sink, Sequence[int], int] | None = None) -> list[Any]:
         """Each command's reply, in order; `FAILED` where its node failed.
 
         Raises `BackendError` only when the batch had commands and every node it needed failed.
         `bulk=False` keeps redis-py's pipeline (replies as `bytes`, what `_decode` expects).
-        `receive`: (sink, expected reply sizes) for bulk GETs, indexed like ``commands``: each
-        node's bulk replies land where the sink says, as on a single node.
+        `receive`: (sink, expected reply sizes, bytes to keep asked ahead) for bulk GETs,
+        indexed like ``commands``: each node's bulk replies land where the sink says, as on a
+        single node.
         """
         if not commands:
             return []
@@ -262,8 +262,8 @@ class ClusterRedisTier(RedisTier):
             batch = [commands[i] for i in indices]
             node_receive = None
             if receive is not None:
-                sink, sizes = receive
-                node_receive = (_shifted(sink, indices), [sizes[i] for i in indices])
+                sink, sizes, ahead = receive
+                node_receive = (_shifted(sink, indices), [sizes[i] for i in indices], ahead)
             futures.append((indices, self._executor.submit(
                 self._run_node, cluster, node, batch, bulk, node_receive)))
         errors: list[BackendError] = []
@@ -313,7 +313,7 @@ class ClusterRedisTier(RedisTier):
 
     def _run_node(
         self, cluster: RedisCluster, node: ClusterNode, commands: list[Command], bulk: bool,
-        receive: tuple[Sink, list[int]] | None = None,
+        receive: tuple[Sink, list[int], int] | None = None,
     ) -> list[Any]:
         """One pipeline on one node under its own gate; redirected commands re-sent.
 
@@ -328,9 +328,9 @@ class ClusterRedisTier(RedisTier):
                 try:
                     if receive is None:
                         return BulkPipeline(client).execute(commands)
-                    sink, sizes = receive
+                    sink, sizes, ahead = receive
                     return BulkPipeline(client).execute(
-                        commands, sink, reply_sizes=sizes, inflight_bytes=read_ahead(sizes))
+                        commands, sink, reply_sizes=sizes, inflight_bytes=ahead)
                 except redis.ResponseError:
                     pass  # MOVED/ASK/OOM...: redo below, keeping each answer (all idempotent)
             pipe = client.pipeline(transaction=False)
