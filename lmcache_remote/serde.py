@@ -322,6 +322,7 @@ class Serde:
         bytes of part ``i`` (value 0 without its header). Every check still runs. A part that
         already lies in its place in ``out`` (received there, raw codec) is checksummed and not
         copied; for any other codec such a part is copied aside before decoding."""
+        raw = getattr(out, "raw_view", None)  # a MemoryObj keeps its bytes' view made
         if not isinstance(out, torch.Tensor):
             out = out.tensor
         _check_identity(header, expected_hash, expected_shape, expected_dtype)
@@ -336,7 +337,7 @@ class Serde:
                 f"value holds {header.dtype} {header.shape}, destination is "
                 f"{out.dtype} {tuple(out.shape)}"
             )
-        dst = _tensor_bytes(out)
+        dst = raw() if raw is not None else _tensor_bytes(out)
         codec = CODECS_BY_ID[header.codec_id]
         jobs = []
         for i, data in enumerate(views):
