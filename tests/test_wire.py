@@ -195,7 +195,7 @@ def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
 def test_reads_ask_two_of_their_largest_chunks_ahead_at_most_the_cap() -> None:
     """The fast read path's in-flight bound follows the chunks: two of the largest (the one
     being read and the next), never more than `INFLIGHT_BYTES` (32 MiB chunks' parts)."""
-    from lmcache_remote.storage.redis_tier import INFLIGHT_BYTES, read_ahead
+    from lmcache_remote.storage.redis_commands import INFLIGHT_BYTES, read_ahead
 
     assert read_ahead([1_044_160 + 4_416] * 256) == 2 * 2**20  # head and tail: a whole chunk
     assert read_ahead([3 * 2**20, 2**20]) == 6 * 2**20 <= INFLIGHT_BYTES

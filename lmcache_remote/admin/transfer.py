@@ -31,7 +31,7 @@ from lmcache_remote.admin.snapshot import (
     SnapshotWriter,
 )
 from lmcache_remote.keys import absolute_key, relative_key, split_part_key
-from lmcache_remote.storage.redis_tier import chunk_write_command
+from lmcache_remote.storage.redis_commands import chunk_write_command
 
 WINDOW_BYTES = 64 * 1024 * 1024
 Progress = Callable[[int], None] | None

@@ -28,7 +28,7 @@ from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.errors import BackendError, BackendPermissionError, BackendUnavailableError
 from lmcache_remote.keys import probe_key
 from lmcache_remote.storage.client import make_client, translate
-from lmcache_remote.storage.redis_tier import chunk_write_command
+from lmcache_remote.storage.redis_commands import chunk_write_command
 
 #: Commands the engine sends (chunks: EXISTS GET SET MSET UNLINK, GETRANGE of the header of a
 #: chunk cut into other parts than planned, and EVAL of a script that SETs a multi-part chunk's

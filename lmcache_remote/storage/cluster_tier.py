@@ -48,12 +48,8 @@ from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
-from lmcache_remote.storage.redis_tier import (
-    Allocator,
-    RedisTier,
-    chunk_write_command,
-    command_key,
-)
+from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
+from lmcache_remote.storage.redis_tier import Allocator, RedisTier
 from lmcache_remote.storage.wire import BulkPipeline, Reply, Sink
 from lmcache_remote.urls import parse_remote_url
 

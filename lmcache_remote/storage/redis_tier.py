@@ -54,9 +54,7 @@ from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.serde import (
-    FORMAT_VERSION,
     HEADER_FIXED,
-    MAGIC,
     Serde,
     ValueHeader,
     header_nbytes,
@@ -65,16 +63,22 @@ from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.redis_commands import (
+    ByteBudget,
+    IncompleteChunkError,
+    byte_windows,
+    chunk_write_command,
+    listed_part_count,
+    read_ahead,
+    regroup,
+    value_nbytes,
+)
 from lmcache_remote.storage.wire import ArenaPool, BulkPipeline, Reply, pack_command, supports
 
 logger = logging.getLogger(__name__)
 #: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
 #: enough that the encoded values and receive arena of one batch stay a modest memory cost.
 _WINDOW_BYTES = 64 * 1024 * 1024
-#: Reply bytes asked for and not yet read on the fast read path, at most: about two full
-#: parts (`read_ahead`), so Redis prepares the next reply while this side reads one, and never
-#: buffers a whole window.
-INFLIGHT_BYTES = 8 * 1024 * 1024
 #: Chunks whose keys (and packed EXISTS) are kept built: the hot prefixes of a million tokens.
 #: Each costs about 1-2 KiB outside the memory budget (more parts, longer model names cost
 #: more), so this bounds the caches to a few MiB; a full cache is cleared and rebuilt on use.
@@ -85,123 +89,6 @@ Allocator = Callable[[int], MemoryObj | None]
 WRITE_LANES = 4
 #: Connections one `get` reads over at once on a single server (see `RedisTier._get_wire`).
 READ_LANES = 4
-#: Chunks asked for and not yet read per read connection (`read_ahead`).
-READ_AHEAD_CHUNKS = 2
-
-
-def read_ahead(chunk_sizes: Sequence[int]) -> int:
-    """The reply bytes to keep asked for and unread while receiving chunks of these sizes
-    (each the bytes of all its values): two of the largest chunks (the one being read and the
-    next), at most `INFLIGHT_BYTES`. Counted in chunks, not values: a 1 MiB chunk is a
-    1,044,160-byte head and a 4,416-byte tail, and two of the largest values fell 4 KiB
-    short of two chunks, so only one was ever asked ahead (0.7x the speed of two, in a side
-    run). More only makes Redis copy replies into its output buffers ahead of the socket,
-    which costs it CPU on every byte (1 MiB chunks, 4 lanes: 8 MiB ahead read at 0.8x the
-    speed of 2 MiB)."""
-    return min(INFLIGHT_BYTES, READ_AHEAD_CHUNKS * max(chunk_sizes, default=0))
-
-
-class ByteBudget:
-    """A byte count that threads take from and give back; `acquire` waits while the budget
-    would go negative, except that a request passes when nothing is taken (so one window
-    larger than the whole budget still goes, alone)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self._total = nbytes
-        self._taken = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        with self._cond:
-            while self._taken and self._taken + nbytes > self._total:
-                self._cond.wait()
-            self._taken += nbytes
-
-    def release(self, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        with self._cond:
-            self._taken -= nbytes
-            self._cond.notify_all()
-
-
-#: Writes every part of a chunk with the same expiry in one atomic step (a script runs whole).
-SET_PARTS_PX = (
-    "for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i], 'PX', ARGV[#KEYS + 1]) end "
-    "return #KEYS"
-)
-
-
-def chunk_write_command(keys: Sequence[str], values: Sequence[Any], ttl_ms: int | None,
-                        *, script: bool = False) -> tuple[Any, ...]:
-    """The one command that writes a chunk's values under its keys atomically (see above).
-
-    Its first key is always at index 1, or at index 3 for EVAL (`command_key`). `script`
-    forces the EVAL form (the access check probes it even for a one-value chunk)."""
-    if script and ttl_ms is not None:
-        return ("EVAL", SET_PARTS_PX, len(keys), *keys, *values, ttl_ms)
-    if len(keys) == 1:
-        return ("SET", keys[0], values[0]) if ttl_ms is None else (
-            "SET", keys[0], values[0], "PX", ttl_ms)
-    if ttl_ms is None:
-        return ("MSET", *(x for kv in zip(keys, values, strict=True) for x in kv))
-    return ("EVAL", SET_PARTS_PX, len(keys), *keys, *values, ttl_ms)
-
-
-def command_key(command: Sequence[Any]) -> Any:
-    """The first key a command touches (what routes it on a cluster)."""
-    return command[3] if command[0] == "EVAL" else command[1]
-
-
-class IncompleteChunkError(CorruptEntryError):
-    """A chunk's head is there but a part is gone: eviction or expiry, not damage."""
-
-
-def _regroup(flat: Sequence[Any], key_lists: Sequence[Sequence[str]]) -> list[list[Any]]:
-    """One list of replies per chunk, from the replies of all its keys in a row."""
-    out, pos = [], 0
-    for keys in key_lists:
-        out.append(list(flat[pos:pos + len(keys)]))
-        pos += len(keys)
-    return out
-
-
-def _listed_part_count(spec: ChunkSpec, head: Any) -> int | None:
-    """The part count a chunk's fixed header lists, if the header is one of this format for
-    this chunk (magic, version, token count and chunk hash); None otherwise (`get` would not
-    serve it either). The rest of the header is checked when the chunk is read."""
-    if not isinstance(head, bytes) or len(head) < HEADER_FIXED.size:
-        return None
-    fields = HEADER_FIXED.unpack_from(head)
-    magic, version, num_tokens, chunk_hash, part_count = (
-        fields[0], fields[1], fields[13], fields[14], fields[17])
-    if (magic != MAGIC or version != FORMAT_VERSION or num_tokens != spec.num_tokens
-            or chunk_hash != spec.key.hash_bytes or part_count < 1):
-        return None
-    return int(part_count)
-
-
-def byte_windows(sizes: Sequence[int], window_bytes: int) -> list[range]:
-    """Consecutive runs of indexes into `sizes`, each closed once it holds ``window_bytes``
-    (so at least one item): the windows of a put or a get."""
-    out, start, size = [], 0, 0
-    for i, nbytes in enumerate(sizes):
-        size += nbytes
-        if size >= window_bytes:
-            out.append(range(start, i + 1))
-            start, size = i + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, tuple):
-        return sum(len(memoryview(v)) for v in value)
-    return len(memoryview(value))
-
 
 class RedisTier(StorageTier):
     """The remote tier over one Redis/Valkey server. Thread-safe (redis-py's pool is).
@@ -314,7 +201,7 @@ class RedisTier(StorageTier):
                                   for i in odd])
         listed: list[tuple[int, list[str]]] = []
         for i, head in zip(odd, heads, strict=True):
-            count = _listed_part_count(specs[i], head)
+            count = listed_part_count(specs[i], head)
             if count is not None and count != len(key_lists[i]):
                 listed.append((i, specs[i].key.part_keys(self.prefix, count)))
         replies = self._lookup_run([("EXISTS", *keys) for _, keys in listed])
@@ -494,7 +381,7 @@ class RedisTier(StorageTier):
                     pipe.get(key)
             return pipe.execute()
 
-        return _regroup(self.caller.call(op), key_lists)
+        return regroup(self.caller.call(op), key_lists)
 
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> list[bool]:
         """Write one window of chunks; per chunk, whether it landed (here all or none: a
@@ -508,7 +395,7 @@ class RedisTier(StorageTier):
             return pipe.execute()
 
         self.caller.call(op)
-        nbytes = sum(_nbytes(v) for _, values in batch for v in values)
+        nbytes = sum(value_nbytes(v) for _, values in batch for v in values)
         self.metrics.inc("remote.written_chunks", len(batch))
         self.metrics.inc("remote.written_bytes", nbytes)
         return [True] * len(batch)
@@ -600,8 +487,8 @@ class RedisTier(StorageTier):
 
         sizes = [end - start for _, _, start, end in places]  # raw: what each GET returns
         flat = [("GET", key) for keys in key_lists for key in keys]
-        chunk_sizes = [sum(r) for r in _regroup(sizes, key_lists)]
-        return _regroup(self._bulk_get(flat, sink, sizes, read_ahead(chunk_sizes)), key_lists)
+        chunk_sizes = [sum(r) for r in regroup(sizes, key_lists)]
+        return regroup(self._bulk_get(flat, sink, sizes, read_ahead(chunk_sizes)), key_lists)
 
     def _fast_reads(self) -> bool:
         """Whether `get` receives through `wire.BulkPipeline` (`_get_wire`)."""
