@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import redis
 from faultkit import bound
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from servers import RedisServer
 
 from lmcache_remote.config import CacheConfig
@@ -536,3 +538,75 @@ def test_sends_follow_the_replies_within_the_bound(native: bool) -> None:
     got = _scripted(native, script, commands, lambda i, n: dests[i], sizes, bound)
     assert [bytes(d) for d in dests] == values
     assert all(g is d for g, d in zip(got, dests, strict=True))
+
+
+_REPLY = st.one_of(
+    st.binary(max_size=70_000).map(lambda b: ("bulk", b)),
+    st.just(("nil", None)),
+    st.integers(-(2**62), 2**62).map(lambda n: ("int", n)),
+    st.binary(max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b)
+      .map(lambda b: ("status", b)),
+    st.text(alphabet="abcdefgh XYZ-:", max_size=40).map(lambda t: ("error", "ERR " + t)),
+)
+
+
+def _encode(kind: str, value: Any) -> bytes:
+    if kind == "bulk":
+        return b"$%d\r\n%s\r\n" % (len(value), value)
+    if kind == "nil":
+        return b"$-1\r\n"
+    if kind == "int":
+        return b":%d\r\n" % value
+    if kind == "status":
+        return b"+%s\r\n" % value
+    return b"-%s\r\n" % value.encode()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replies=st.lists(_REPLY, min_size=1, max_size=12),
+       cuts=st.lists(st.integers(1, 90_000), min_size=1, max_size=30),
+       split_at=st.integers(0, 100))
+def test_both_readers_parse_any_replies_cut_anywhere(
+    replies: list[tuple[str, Any]], cuts: list[int], split_at: int
+) -> None:
+    """Random replies of every kind, sent in random pieces: both readers return exactly them,
+    bulk payloads landing where the sink says (some split over two buffers), and agree."""
+    commands, packed = _gets(len(replies))
+    wire = b"".join(_encode(k, v) for k, v in replies)
+    results = []
+    for native in ([False, True] if wire_mod._native is not None else [False]):
+        dests: dict[int, list[memoryview]] = {}
+
+        def sink(index: int, length: int, dests: dict[int, list[memoryview]] = dests
+                 ) -> list[memoryview]:
+            buf = memoryview(bytearray(length))
+            cut = min(length, split_at)
+            dests[index] = [buf[:cut], buf[cut:]] if 0 < cut < length else [buf]
+            return dests[index]
+
+        def script(sock: socket.socket) -> None:
+            _read_commands(sock, packed, bytearray(), len(packed))
+            pos, i = 0, 0
+            while pos < len(wire):
+                step = cuts[i % len(cuts)]
+                sock.sendall(wire[pos:pos + step])
+                pos, i = pos + step, i + 1
+
+        got = _scripted(native, script, commands, sink)
+        out = []
+        for (kind, value), reply in zip(replies, got, strict=True):
+            if kind == "bulk":
+                parts = reply if isinstance(reply, list) else [reply]
+                assert b"".join(bytes(p) for p in parts) == value
+                out.append(value)
+            elif kind == "error":
+                assert isinstance(reply, redis.ResponseError) and str(reply) == value
+                out.append(str(reply))
+            elif kind == "nil":
+                assert reply is None
+                out.append(None)
+            else:
+                assert reply == value
+                out.append(reply)
+        results.append(out)
+    assert all(r == results[0] for r in results)
