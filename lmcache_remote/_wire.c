@@ -1,9 +1,10 @@
 /* The native receive loop of the bulk data path (lmcache_remote.storage.wire).
  *
  * One function, run_batch(), does what wire._Reader and BulkPipeline._run do for a batch of
- * small commands (GET, EXISTS, GETRANGE: each already packed as bytes): it sends them as the
- * replies come in (at most `inflight` reply bytes asked for and unread) and parses every RESP
- * reply, receiving each bulk string straight into the buffers the Python sink returns for it.
+ * small commands (the GETs of a read, the EXISTS of a lookup: each already packed as bytes):
+ * it sends them as the replies come in (at most `inflight` reply bytes asked for and unread)
+ * and parses every RESP reply, receiving each bulk string straight into the buffers the
+ * Python sink returns for it.
  * The payload of a bulk reply is read with readv() into its destination and a small tail of
  * the receive buffer at once, so a reply costs about one system call and no second copy,
  * and the GIL is released around every system call and copy, so several connections can

@@ -25,8 +25,8 @@ Contract:
 - Only plain single-node `redis.Redis` clients qualify (`supports`); a cluster client keeps
   redis-py's pipeline. The executor is per connection pool, so a cluster could use one per node.
 
-Two readers speak this protocol. A batch of small commands only (GET, EXISTS, GETRANGE: the
-whole read path) runs in `lmcache_remote._wire` (lmcache_remote/_wire.c, built with the
+Two readers speak this protocol. A batch of small commands only (the GETs of a read, the EXISTS
+of a lookup) runs in `lmcache_remote._wire` (lmcache_remote/_wire.c, built with the
 package) on a plain TCP or UNIX socket: sends and receives without the GIL, each bulk payload
 read by one ``readv`` into its destination and a small tail buffer, no copy through a receive
 buffer. Everything else (writes, TLS sockets, or where the extension was not built) runs in
