@@ -468,8 +468,8 @@ class RedisTier(StorageTier):
         """GETs every part of every chunk in one pipeline; raw parts land in the chunk itself."""
         key_lists = [self._keys(s) for s in specs]
         places = []  # per value: its chunk, part index, and raw byte range in the chunk
-        for c, (spec, keys) in enumerate(zip(specs, key_lists, strict=True)):
-            total = self.layout.nbytes(spec.num_tokens)
+        totals = [self.layout.nbytes(spec.num_tokens) for spec in specs]  # raw bytes per chunk
+        for c, (total, keys) in enumerate(zip(totals, key_lists, strict=True)):
             size = self.serde.part_size_for(total)
             places += [(c, p, p * size, min(total, (p + 1) * size)) for p in range(len(keys))]
         in_place = self.serde.codec.codec_id == 0
@@ -487,8 +487,7 @@ class RedisTier(StorageTier):
 
         sizes = [end - start for _, _, start, end in places]  # raw: what each GET returns
         flat = [("GET", key) for keys in key_lists for key in keys]
-        chunk_sizes = [sum(r) for r in regroup(sizes, key_lists)]
-        return regroup(self._bulk_get(flat, sink, sizes, read_ahead(chunk_sizes)), key_lists)
+        return regroup(self._bulk_get(flat, sink, sizes, read_ahead(totals)), key_lists)
 
     def _fast_reads(self) -> bool:
         """Whether `get` receives through `wire.BulkPipeline` (`_get_wire`)."""
