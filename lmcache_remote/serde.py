@@ -42,12 +42,8 @@ from lmcache_remote.codecs import CODECS as CODECS
 from lmcache_remote.codecs import CODECS_BY_ID, Codec, RawCodec
 from lmcache_remote.codecs import get_codec as get_codec
 from lmcache_remote.errors import CorruptEntryError, SerdeError
+from lmcache_remote.native import wire as _native  # `address` of a buffer, cheaply (C)
 from lmcache_remote.sizing import plan_part_size
-
-try:
-    from lmcache_remote import _wire as _native  # `address` of a buffer, cheaply (C)
-except ImportError:
-    _native = None  # type: ignore[assignment]
 
 BytesLike = bytes | bytearray | memoryview
 _T = TypeVar("_T")

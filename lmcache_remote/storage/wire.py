@@ -46,6 +46,8 @@ from typing import Any, TypeGuard
 import redis
 from redis.exceptions import ResponseError
 
+from lmcache_remote.native import wire as _native  # the C loop, or None: Python does it all
+
 BytesLike = bytes | bytearray | memoryview
 Reply = bytes | memoryview | list[memoryview] | int | None | ResponseError
 Sink = Callable[[int, int], "memoryview | list[memoryview] | None"]
@@ -54,11 +56,6 @@ _CRLF = b"\r\n"
 _COALESCE = 64 * 1024  # values smaller than this are copied into the command buffer
 _RECV_CHUNK = 1024 * 1024
 _IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
-
-try:
-    from lmcache_remote import _wire as _native  # the C loop (lmcache_remote/_wire.c)
-except ImportError:  # not built here (no compiler at install): the Python reader does it all
-    _native = None  # type: ignore[assignment]
 #: Whether `BulkPipeline` runs batches of small commands in the native loop by default.
 NATIVE = _native is not None and os.environ.get("LMCR_NATIVE_WIRE", "1") != "0"
 
