@@ -3,12 +3,15 @@
  * One function, run_batch(), does what wire._Reader and BulkPipeline._run do for a batch of
  * small commands (the GETs of a read, the EXISTS of a lookup: each already packed as bytes):
  * it sends them as the replies come in (at most `inflight` reply bytes asked for and unread)
- * and parses every RESP reply, receiving each bulk string straight into the buffers the
- * Python sink returns for it.
+ * and parses every RESP reply, receiving each bulk string straight into its destination:
+ * what a Python sink returns for it, or its place in a list given up front.
  * The payload of a bulk reply is read with readv() into its destination and a small tail of
- * the receive buffer at once, so a reply costs about one system call and no second copy,
- * and the GIL is released around every system call and copy, so several connections can
- * read at once on several threads. Semantics are those of the Python reader (wire.py), which
+ * the receive buffer at once, so a reply costs about one system call and no second copy.
+ * With a callable sink the GIL is released around every system call and copy. With a list
+ * of places the whole batch runs without it and takes it only for a reply that does not fit
+ * its place: a read on one connection then never waits for Python work on other threads
+ * (decoding the previous window, another lane), which with the GIL given back and taken
+ * again per system call it did. Semantics are those of the Python reader (wire.py), which
  * stays the fallback and the reference: the tests run both.
  *
  * Errors: a timeout raises TimeoutError, a closed connection ConnectionResetError, a reply
@@ -19,9 +22,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -34,6 +39,14 @@
 #define MAX_DESTS 16
 #define LOWAT_MAX (512 * 1024) /* the most SO_RCVLOWAT is raised to */
 
+/* XXH3-64 (seed 0), the very function the xxhash package runs: bind_xxh3() looks it up in
+ * that package's extension (XXH3_64bits_dispatch, its AVX2/AVX-512 dispatch, else
+ * XXH3_64bits), which native.py then checks against the package. NULL until bound, and then
+ * no digests are made (Python hashes). The system's libxxhash is not used: distributions
+ * build it without the vector dispatch, and it ran 4-5x slower here. */
+typedef uint64_t (*xxh3_fn)(const void *data, size_t len);
+static xxh3_fn xxh3_64 = NULL;
+
 typedef struct {
     int fd;
     int timeout_ms; /* -1: wait for ever */
@@ -41,7 +54,30 @@ typedef struct {
     Py_ssize_t start, end;
     int lowat;      /* the socket's SO_RCVLOWAT now */
     int want_lowat; /* what the next wait for input needs: 1, or part of a payload's rest */
+    PyThreadState *ts; /* set while the loop runs without the GIL (a list sink), else NULL */
 } reader_t;
+
+/* The GIL for a loop that runs without it (r->ts set): gil_take before anything that touches
+ * a Python object or sets an error, gil_drop after. Both do nothing when already so. */
+static void gil_take(reader_t *r) {
+    if (r->ts != NULL) {
+        PyEval_RestoreThread(r->ts);
+        r->ts = NULL;
+    }
+}
+
+static void gil_drop(reader_t *r) {
+    if (r->ts == NULL) {
+        r->ts = PyEval_SaveThread();
+    }
+}
+
+/* Sets a Python error (taking the GIL first) and returns -1. */
+static int fail(reader_t *r, PyObject *type, const char *message) {
+    gil_take(r);
+    PyErr_SetString(type, message);
+    return -1;
+}
 
 /* Sets SO_RCVLOWAT to what the coming wait needs (no GIL needed). While a big payload is
  * coming, waking up for each 64 KiB that arrives costs a poll and a read each; with the low
@@ -70,8 +106,11 @@ static int wait_fd(int fd, short events, int timeout_ms) {
     return rc < 0 ? -1 : 0;
 }
 
-/* Raises the Python error for a failed system call (errno) and returns -1. */
-static int raise_errno(const char *what) {
+/* Raises the Python error for a failed system call (errno) and returns -1; with the GIL. */
+static int raise_errno(reader_t *r, const char *what) {
+    int err = errno;
+    gil_take(r);
+    errno = err;
     if (errno == ETIMEDOUT) {
         PyErr_Format(PyExc_TimeoutError, "%s timed out", what);
     } else {
@@ -83,12 +122,13 @@ static int raise_errno(const char *what) {
 /* One readv() (POLLIN) or sendmsg() (POLLOUT) over `iov`, waiting while the socket is not
  * ready (at most timeout_ms each time) and retrying after signals, without the GIL. Returns
  * the byte count (> 0 for a send, >= 0 for a read: 0 is the server closing), or -1 with a
- * Python error set. Takes and gives back the GIL. */
+ * Python error set (and the GIL held). A loop holding the GIL gives it up around the calls. */
 static Py_ssize_t socket_io(reader_t *r, short events, struct iovec *iov, int iovcnt) {
+    int free_running = r->ts != NULL;
     for (;;) {
         ssize_t n;
         int err = 0;
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *save = free_running ? NULL : PyEval_SaveThread();
         for (;;) {
             if (events == POLLIN) {
                 n = readv(r->fd, iov, iovcnt);
@@ -114,18 +154,24 @@ static Py_ssize_t socket_io(reader_t *r, short events, struct iovec *iov, int io
             err = errno;
             break;
         }
-        Py_END_ALLOW_THREADS
+        if (save != NULL) {
+            PyEval_RestoreThread(save);
+        }
         if (n >= 0) {
             return n;
         }
         if (err == EINTR) {
+            gil_take(r);
             if (PyErr_CheckSignals() < 0) {
                 return -1;
+            }
+            if (free_running) {
+                gil_drop(r);
             }
             continue;
         }
         errno = err;
-        return raise_errno(events == POLLIN ? "receive" : "send");
+        return raise_errno(r, events == POLLIN ? "receive" : "send");
     }
 }
 
@@ -133,8 +179,7 @@ static Py_ssize_t socket_io(reader_t *r, short events, struct iovec *iov, int io
 static Py_ssize_t read_some(reader_t *r, struct iovec *iov, int iovcnt) {
     Py_ssize_t n = socket_io(r, POLLIN, iov, iovcnt);
     if (n == 0) {
-        PyErr_SetString(PyExc_ConnectionResetError, "connection closed by the server");
-        return -1;
+        return fail(r, PyExc_ConnectionResetError, "connection closed by the server");
     }
     return n;
 }
@@ -149,8 +194,7 @@ static int fill(reader_t *r) {
         r->start = 0;
     }
     if (r->end == BUF_SIZE) {
-        PyErr_SetString(PyExc_ValueError, "protocol error: reply line too long");
-        return -1;
+        return fail(r, PyExc_ValueError, "protocol error: reply line too long");
     }
     struct iovec iov;
     iov.iov_base = r->buf + r->end;
@@ -181,8 +225,7 @@ static int read_line(reader_t *r, const char **line, Py_ssize_t *len) {
             return 0;
         }
         if (r->end - r->start >= LINE_MAX_BYTES) {
-            PyErr_SetString(PyExc_ValueError, "protocol error: reply line too long");
-            return -1;
+            return fail(r, PyExc_ValueError, "protocol error: reply line too long");
         }
         rel = r->end - r->start > 1 ? r->end - r->start : 1;
         if (fill(r) < 0) {
@@ -287,8 +330,7 @@ static int read_payload(reader_t *r, Py_buffer *views, int nviews) {
         }
     }
     if (r->buf[r->start] != '\r' || r->buf[r->start + 1] != '\n') {
-        PyErr_SetString(PyExc_ValueError, "protocol error: bulk reply not terminated");
-        return -1;
+        return fail(r, PyExc_ValueError, "protocol error: bulk reply not terminated");
     }
     r->start += 2;
     return 0;
@@ -366,13 +408,9 @@ done:
     return reply;
 }
 
-/* One reply of any kind; a new reference. */
-static PyObject *read_reply(reader_t *r, Py_ssize_t index, PyObject *sink, PyObject *make_error) {
-    const char *line;
-    Py_ssize_t len;
-    if (read_line(r, &line, &len) < 0) {
-        return NULL;
-    }
+/* One reply of any kind, from its first line on; a new reference. Needs the GIL. */
+static PyObject *reply_from_line(reader_t *r, Py_ssize_t index, const char *line,
+                                 Py_ssize_t len, PyObject *sink, PyObject *make_error) {
     if (len < 1) {
         PyErr_SetString(PyExc_ValueError, "protocol error: empty reply line");
         return NULL;
@@ -417,16 +455,25 @@ static PyObject *read_reply(reader_t *r, Py_ssize_t index, PyObject *sink, PyObj
     }
 }
 
-/* Sends every byte of commands[from:to] (bytes objects), with waits and EINTR handling. */
-static int send_commands(reader_t *r, PyObject *commands, Py_ssize_t from, Py_ssize_t to) {
+/* One reply of any kind; a new reference. */
+static PyObject *read_reply(reader_t *r, Py_ssize_t index, PyObject *sink, PyObject *make_error) {
+    const char *line;
+    Py_ssize_t len;
+    if (read_line(r, &line, &len) < 0) {
+        return NULL;
+    }
+    return reply_from_line(r, index, line, len, sink, make_error);
+}
+
+/* Sends every byte of commands[from:to] (each packed command's bytes, as taken from the
+ * bytes objects with the GIL), with waits and EINTR handling. */
+static int send_commands(reader_t *r, const struct iovec *commands, Py_ssize_t from,
+                         Py_ssize_t to) {
     while (from < to) {
         struct iovec iov[MAX_IOV];
         int cnt = 0;
         for (Py_ssize_t k = from; k < to && cnt < MAX_IOV; k++) {
-            PyObject *item = PyList_GET_ITEM(commands, k);
-            iov[cnt].iov_base = PyBytes_AS_STRING(item);
-            iov[cnt].iov_len = (size_t)PyBytes_GET_SIZE(item);
-            cnt++;
+            iov[cnt++] = commands[k];
         }
         int idx = 0;
         while (idx < cnt) {
@@ -450,58 +497,172 @@ static int send_commands(reader_t *r, PyObject *commands, Py_ssize_t from, Py_ss
     return 0;
 }
 
+/* The destinations of a list sink, taken up front: the buffers of place i are
+ * views[first[i] .. first[i] + n[i]) and add up to total[i]; n[i] == 0 for no place. */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t *first;
+    int *n;
+    Py_ssize_t *total;
+    Py_ssize_t taken; /* views acquired so far (released by places_free) */
+} places_t;
+
+static void places_free(places_t *p) {
+    for (Py_ssize_t k = 0; k < p->taken; k++) {
+        PyBuffer_Release(&p->views[k]);
+    }
+    PyMem_Free(p->views);
+    PyMem_Free(p->first);
+    PyMem_Free(p->n);
+    PyMem_Free(p->total);
+}
+
+/* Takes the buffers of every place of a list sink (None: no place; a writable buffer or a
+ * list of 1 to MAX_DESTS of them). Returns 0, or -1 with an error set. */
+static int places_take(places_t *p, PyObject *sink, Py_ssize_t count) {
+    memset(p, 0, sizeof(*p));
+    if (PyList_GET_SIZE(sink) != count) {
+        PyErr_SetString(PyExc_ValueError, "a list sink needs one place per command");
+        return -1;
+    }
+    Py_ssize_t nviews = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *place = PyList_GET_ITEM(sink, i);
+        nviews += PyList_Check(place) ? PyList_GET_SIZE(place) : place != Py_None;
+    }
+    size_t slots = (size_t)(count ? count : 1);
+    p->views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(nviews ? nviews : 1));
+    p->first = PyMem_Malloc(sizeof(Py_ssize_t) * slots);
+    p->n = PyMem_Malloc(sizeof(int) * slots);
+    p->total = PyMem_Malloc(sizeof(Py_ssize_t) * slots);
+    if (p->views == NULL || p->first == NULL || p->n == NULL || p->total == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *place = PyList_GET_ITEM(sink, i);
+        int is_list = PyList_Check(place);
+        Py_ssize_t n = is_list ? PyList_GET_SIZE(place) : place != Py_None;
+        if (is_list && (n < 1 || n > MAX_DESTS)) {
+            PyErr_Format(PyExc_ValueError, "place %zd has %zd buffers (1 to %d allowed)", i, n,
+                         MAX_DESTS);
+            return -1;
+        }
+        p->first[i] = p->taken;
+        p->n[i] = (int)n;
+        p->total[i] = 0;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *item = is_list ? PyList_GET_ITEM(place, k) : place;
+            Py_buffer *view = &p->views[p->taken];
+            if (PyObject_GetBuffer(item, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+                return -1;
+            }
+            p->taken++;
+            p->total[i] += view->len;
+        }
+    }
+    return 0;
+}
+
+/* The reply object of a filled place: the buffer, or a list of more than one. */
+static PyObject *place_reply(PyObject *place) {
+    PyObject *reply = PyList_Check(place) && PyList_GET_SIZE(place) == 1
+                          ? PyList_GET_ITEM(place, 0) : place;
+    Py_INCREF(reply);
+    return reply;
+}
+
 static PyObject *run_batch(PyObject *self, PyObject *args) {
     int fd;
     double timeout;
-    PyObject *commands, *sizes, *sink, *make_error;
+    PyObject *commands, *sizes, *sink, *make_error, *digests = Py_None;
     Py_ssize_t inflight;
-    if (!PyArg_ParseTuple(args, "idO!OnOO", &fd, &timeout, &PyList_Type, &commands, &sizes,
-                          &inflight, &sink, &make_error)) {
+    if (!PyArg_ParseTuple(args, "idO!OnOO|O", &fd, &timeout, &PyList_Type, &commands, &sizes,
+                          &inflight, &sink, &make_error, &digests)) {
         return NULL;
     }
     Py_ssize_t count = PyList_GET_SIZE(commands);
-    for (Py_ssize_t k = 0; k < count; k++) {
-        if (!PyBytes_Check(PyList_GET_ITEM(commands, k))) {
-            PyErr_SetString(PyExc_TypeError, "run_batch takes packed commands (bytes)");
-            return NULL;
-        }
-    }
+    size_t slots = (size_t)(count ? count : 1);
+    struct iovec *packed = PyMem_Malloc(sizeof(struct iovec) * slots);
     long long *want = NULL;
+    char *placed = NULL; /* per reply: received into its place (its object set at the end) */
+    uint64_t *digest = NULL; /* per placed reply: XXH3-64 of its last buffer */
+    places_t places;
+    int use_places = PyList_Check(sink);
+    memset(&places, 0, sizeof(places));
+    reader_t r;
+    r.fd = fd;
+    r.start = r.end = 0;
+    r.lowat = r.want_lowat = 1;
+    r.ts = NULL;
+    r.buf = NULL;
+    PyObject *out = NULL;
+    if (packed == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *item = PyList_GET_ITEM(commands, k);
+        if (!PyBytes_Check(item)) {
+            PyErr_SetString(PyExc_TypeError, "run_batch takes packed commands (bytes)");
+            goto fail;
+        }
+        packed[k].iov_base = PyBytes_AS_STRING(item);
+        packed[k].iov_len = (size_t)PyBytes_GET_SIZE(item);
+    }
     if (sizes != Py_None) {
         if (!PyList_Check(sizes) || PyList_GET_SIZE(sizes) != count) {
             PyErr_SetString(PyExc_ValueError, "reply sizes must be a list, one per command");
-            return NULL;
+            goto fail;
         }
-        want = PyMem_Malloc(sizeof(long long) * (size_t)(count ? count : 1));
+        want = PyMem_Malloc(sizeof(long long) * slots);
         if (want == NULL) {
-            return PyErr_NoMemory();
+            PyErr_NoMemory();
+            goto fail;
         }
         for (Py_ssize_t k = 0; k < count; k++) {
             want[k] = PyLong_AsLongLong(PyList_GET_ITEM(sizes, k));
             if (want[k] == -1 && PyErr_Occurred()) {
-                PyMem_Free(want);
-                return NULL;
+                goto fail;
             }
         }
     }
-    reader_t r;
-    r.fd = fd;
+    if (digests != Py_None && (!PyList_Check(digests) || PyList_GET_SIZE(digests) != count)) {
+        PyErr_SetString(PyExc_ValueError, "digests must be a list, one per command");
+        goto fail;
+    }
+    if (use_places) {
+        placed = PyMem_Calloc(slots, 1);
+        if (digests != Py_None && xxh3_64 != NULL) {
+            digest = PyMem_Malloc(sizeof(uint64_t) * slots);
+        }
+        if (placed == NULL || (digests != Py_None && xxh3_64 != NULL && digest == NULL)) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        if (places_take(&places, sink, count) < 0) {
+            goto fail;
+        }
+    }
     r.timeout_ms = timeout < 0 ? -1 : timeout * 1000.0 >= (double)INT_MAX ? INT_MAX
                                                 : (int)(timeout * 1000.0 + 0.999);
-    r.start = r.end = 0;
-    r.lowat = r.want_lowat = 1;
     r.buf = PyMem_Malloc(BUF_SIZE);
-    PyObject *out = PyList_New(count);
+    out = PyList_New(count);
     if (r.buf == NULL || out == NULL) {
-        PyMem_Free(want);
-        PyMem_Free(r.buf);
-        Py_XDECREF(out);
-        return PyErr_NoMemory();
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto fail;
+    }
+    /* With a list sink every reply that fits its place is received without the GIL: the
+     * loop takes it only for a reply of another kind or size (an object to make), an error,
+     * or a signal. Other Python threads run meanwhile, and this loop never waits for them. */
+    if (use_places) {
+        gil_drop(&r);
     }
     Py_ssize_t sent = 0;
     long long outstanding = 0;
     if (want == NULL || inflight <= 0) {
-        if (send_commands(&r, commands, 0, count) < 0) {
+        if (send_commands(&r, packed, 0, count) < 0) {
             goto fail;
         }
         sent = count;
@@ -514,34 +675,84 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
                 end++;
             }
             if (end > sent) {
-                if (send_commands(&r, commands, sent, end) < 0) {
+                if (send_commands(&r, packed, sent, end) < 0) {
                     goto fail;
                 }
                 sent = end;
             }
         }
-        PyObject *reply = read_reply(&r, i, sink, make_error);
-        if (reply == NULL) {
-            goto fail;
+        PyObject *reply;
+        if (use_places) {
+            const char *line;
+            Py_ssize_t len;
+            long long value;
+            if (read_line(&r, &line, &len) < 0) {
+                goto fail;
+            }
+            if (places.n[i] > 0 && len > 1 && line[0] == '$' &&
+                parse_int(line + 1, len - 1, &value) == 0 && value == places.total[i]) {
+                if (read_payload(&r, places.views + places.first[i], places.n[i]) < 0) {
+                    goto fail;
+                }
+                placed[i] = 1;
+                if (digest != NULL) { /* hashed while the bytes are still in the cache */
+                    Py_buffer *last = &places.views[places.first[i] + places.n[i] - 1];
+                    digest[i] = xxh3_64(last->buf, (size_t)last->len);
+                }
+            } else {
+                gil_take(&r);
+                reply = reply_from_line(&r, i, line, len, Py_None, make_error);
+                if (reply == NULL) {
+                    goto fail;
+                }
+                PyList_SET_ITEM(out, i, reply);
+                gil_drop(&r);
+            }
+        } else {
+            reply = read_reply(&r, i, sink, make_error);
+            if (reply == NULL) {
+                goto fail;
+            }
+            PyList_SET_ITEM(out, i, reply);
         }
-        PyList_SET_ITEM(out, i, reply);
         if (want != NULL) {
             outstanding -= want[i];
         }
     }
+    gil_take(&r);
     if (r.start != r.end) {
         PyErr_SetString(PyExc_ValueError, "protocol error: unexpected bytes after the replies");
         goto fail;
     }
+    for (Py_ssize_t i = 0; use_places && i < count; i++) {
+        if (placed[i]) {
+            PyList_SET_ITEM(out, i, place_reply(PyList_GET_ITEM(sink, i)));
+            if (digest != NULL) {
+                PyObject *value = PyLong_FromUnsignedLongLong(digest[i]);
+                if (value == NULL || PyList_SetItem(digests, i, value) < 0) {
+                    goto fail;
+                }
+            }
+        }
+    }
     set_lowat(&r, 1); /* the connection goes back to redis-py as it came */
+    places_free(&places);
+    PyMem_Free(digest);
+    PyMem_Free(placed);
     PyMem_Free(want);
+    PyMem_Free(packed);
     PyMem_Free(r.buf);
     return out;
 fail:
+    gil_take(&r);
     set_lowat(&r, 1);
+    places_free(&places);
+    PyMem_Free(digest);
+    PyMem_Free(placed);
     PyMem_Free(want);
+    PyMem_Free(packed);
     PyMem_Free(r.buf);
-    Py_DECREF(out);
+    Py_XDECREF(out);
     return NULL;
 }
 
@@ -555,13 +766,57 @@ static PyObject *address(PyObject *self, PyObject *obj) {
     return PyLong_FromVoidPtr(at);
 }
 
+static PyObject *bind_xxh3(PyObject *self, PyObject *arg) {
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (path == NULL) {
+        return NULL;
+    }
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD); /* loaded already */
+    void *fn = NULL;
+    if (lib != NULL) {
+        fn = dlsym(lib, "XXH3_64bits_dispatch");
+        if (fn == NULL) {
+            fn = dlsym(lib, "XXH3_64bits");
+        }
+    }
+    if (fn != NULL) {
+        xxh3_64 = (xxh3_fn)fn; /* lib stays open: the package is imported for good */
+    } else if (lib != NULL) {
+        dlclose(lib);
+    }
+    return PyBool_FromLong(xxh3_64 != NULL);
+}
+
+static PyObject *xxh3(PyObject *self, PyObject *obj) {
+    if (xxh3_64 == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "no XXH3 bound (bind_xxh3)");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    uint64_t h = xxh3_64(view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyMethodDef methods[] = {
     {"address", address, METH_O,
      "address(buffer) -> int\n\nWhere a contiguous buffer's memory starts."},
     {"run_batch", run_batch, METH_VARARGS,
      "run_batch(fd, timeout, commands, reply_sizes, inflight, sink, make_error) -> replies\n\n"
      "Sends the packed commands (all at once, or as replies come in when reply_sizes is a\n"
-     "list and inflight > 0) and reads one reply per command; see lmcache_remote/_wire.c."},
+     "list and inflight > 0) and reads one reply per command. sink: None, a callable\n"
+     "(index, length) -> destination, or a list of one place (destination or None) per\n"
+     "command. digests: None, or a list (one item per command) where each reply received\n"
+     "into its place gets the XXH3-64 of its place's last buffer (once bind_xxh3 found\n"
+     "it); see lmcache_remote/_wire.c."},
+    {"bind_xxh3", bind_xxh3, METH_O,
+     "bind_xxh3(path) -> bool\n\nLooks XXH3-64 up in the loaded shared object at path (the\n"
+     "xxhash package's extension); whether one is bound."},
+    {"xxh3", xxh3, METH_O,
+     "xxh3(buffer) -> int\n\nXXH3-64 (seed 0) of the bytes, by the bound function."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,8 +9,12 @@ def run_batch(
     commands: list[bytes],
     reply_sizes: list[int] | None,
     inflight: int,
-    sink: Callable[[int, int], Any] | None,
+    sink: Callable[[int, int], Any] | list[Any] | None,
     make_error: Callable[[str], Exception],
+    digests: list[int | None] | None = None,
 ) -> list[Any]: ...
+
+def bind_xxh3(path: str) -> bool: ...
+def xxh3(buffer: Any) -> int: ...
 
 def address(buffer: Any) -> int: ...

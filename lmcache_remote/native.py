@@ -1,10 +1,35 @@
 """The optional C extension `lmcache_remote._wire` (lmcache_remote/_wire.c), imported in one
 place: `wire` is the module, or None where it was not built (no compiler at install), and its
-users (storage/wire.py's receive loop, serde's buffer addresses) then run their Python code."""
+users (storage/wire.py's receive loop, serde's buffer addresses) then run their Python code.
+
+`DIGESTS` says whether the receive loop's checksums can stand in for serde's: the loop hashes
+with the `xxhash` package's own XXH3 (its extension's exported function, found by path), which
+must be there and give exactly what the package gives (checked here once, on inputs of every
+length class XXH3 treats apart)."""
 
 from __future__ import annotations
+
+import xxhash
 
 try:
     from lmcache_remote import _wire as wire
 except ImportError:
     wire = None  # type: ignore[assignment]
+
+
+def _digests_agree() -> bool:
+    if wire is None:
+        return False
+    try:
+        import xxhash._xxhash as extension
+    except ImportError:
+        return False
+    path = getattr(extension, "__file__", None)
+    if not path or not wire.bind_xxh3(str(path)):
+        return False
+    sample = bytes(range(256)) * 17  # 4352 bytes: every length below takes another XXH3 path
+    return all(wire.xxh3(sample[:n]) == xxhash.xxh3_64_intdigest(sample[:n])
+               for n in (0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4352))
+
+
+DIGESTS = _digests_agree()

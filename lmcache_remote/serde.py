@@ -313,11 +313,15 @@ class Serde:
         expected_hash: bytes,
         expected_shape: tuple[int, ...] | None = None,
         expected_dtype: torch.dtype | None = None,
+        digests: Sequence[int | None] | None = None,
     ) -> None:
         """`decode_into` for callers that received the parts apart: ``stored[i]`` is the stored
         bytes of part ``i`` (value 0 without its header). Every check still runs. A part that
         already lies in its place in ``out`` (received there, raw codec) is checksummed and not
-        copied; for any other codec such a part is copied aside before decoding."""
+        copied; for any other codec such a part is copied aside before decoding. ``digests[i]``,
+        where not None, is the XXH3-64 of exactly ``stored[i]``'s bytes, already computed (by
+        the receive loop, as they arrived): it is compared with the header instead of hashing
+        them again."""
         raw = getattr(out, "raw_view", None)  # a MemoryObj keeps its bytes' view made
         if not isinstance(out, torch.Tensor):
             out = out.tensor
@@ -335,14 +339,19 @@ class Serde:
             )
         dst = raw() if raw is not None else _tensor_bytes(out)
         codec = CODECS_BY_ID[header.codec_id]
+        if digests is not None and len(digests) != len(views):
+            raise ValueError(f"{len(digests)} digests for {len(views)} parts")
         jobs = []
         for i, data in enumerate(views):
             start, end = header.segment(i)
-            jobs.append((i, data, dst[start:end], header.parts[i][1]))
+            known = digests[i] if digests is not None else None
+            if known is not None and known != header.parts[i][1]:
+                raise _corrupt(f"part {i} fails its checksum")
+            jobs.append((i, data, dst[start:end], header.parts[i][1] if known is None else None))
 
-        def decode_part(job: tuple[int, memoryview, memoryview, int]) -> None:
+        def decode_part(job: tuple[int, memoryview, memoryview, int | None]) -> None:
             index, data, out_part, checksum = job
-            if xxhash.xxh3_64_intdigest(data) != checksum:
+            if checksum is not None and xxhash.xxh3_64_intdigest(data) != checksum:
                 raise _corrupt(f"part {index} fails its checksum")
             at, out_at = _address(data), _address(out_part)
             if len(data) and len(out_part) and (

@@ -585,6 +585,32 @@ def write_golden() -> None:
             print(f"{case.name}.{i}.bin  {len(value)} bytes")
 
 
+def test_digests_given_stand_in_for_hashing_and_are_checked() -> None:
+    """`decode_parts_into` with ``digests`` (what the receive loop hashed as the bytes came
+    in): a right digest decodes without hashing again, a wrong one is a corrupt part even
+    when the bytes are right, and None hashes as before; so a digest can never let bytes in
+    that the header's checksum would turn away."""
+    serde = Serde("raw", part_size=4096)
+    tensor = torch.arange(4 * 2 * 256 * 8, dtype=torch.bfloat16).reshape(4, 2, 256, 8)
+    header_bytes, parts = serde.encode_parts(tensor, HASH, 256)
+    header = serde.read_header(header_bytes)
+    assert header.part_count >= 3
+    stored = [bytes(p) for p in parts]
+    sums = [xxhash.xxh3_64_intdigest(p) for p in stored]
+    out = torch.empty_like(tensor)
+    serde.decode_parts_into(header, stored, out, HASH, digests=sums)
+    assert torch.equal(out, tensor)
+    damaged = [stored[0], bytes([stored[1][0] ^ 1]) + stored[1][1:], *stored[2:]]
+    with pytest.raises(CorruptEntryError, match="part 1 fails its checksum"):
+        serde.decode_parts_into(header, damaged, torch.empty_like(tensor), HASH,
+                                digests=[sums[0], None, *sums[2:]])  # None: hashed here
+    with pytest.raises(CorruptEntryError, match="part 2 fails its checksum"):
+        serde.decode_parts_into(header, stored, torch.empty_like(tensor), HASH,
+                                digests=[*sums[:2], sums[2] ^ 1, *sums[3:]])
+    with pytest.raises(ValueError, match="digests"):
+        serde.decode_parts_into(header, stored, torch.empty_like(tensor), HASH, digests=sums[:1])
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--regen"]:
         sys.exit("usage: python tests/test_serde.py --regen")

@@ -100,6 +100,66 @@ def test_bulk_replies_land_where_the_sink_says(redis_url: str, key_prefix: str,
     client.close()
 
 
+def test_places_given_up_front_take_the_replies_that_fit(redis_url: str, key_prefix: str,
+                                                       native: bool) -> None:
+    """A list sink: a bulk reply lands in its place when the place's buffers add up to its
+    length, in a fresh buffer otherwise (the place untouched); other replies are as always.
+    With ``digests`` the native loop gives each reply that landed in its place the XXH3-64 of
+    the place's last buffer, and leaves every other entry None (the Python reader leaves
+    all of them None: the caller hashes)."""
+    import xxhash
+
+    from lmcache_remote import native as native_mod
+
+    client = _client(redis_url)
+    x, y, big = f"{key_prefix}:x", f"{key_prefix}:y", f"{key_prefix}:big"
+    payload = os.urandom(300_000)
+    client.set(x, b"abcdefghij")
+    client.set(y, b"0123")
+    client.set(big, payload)
+    wire = BulkPipeline(client, native=native)
+    head, tail = memoryview(bytearray(3)), memoryview(bytearray(7))
+    short = memoryview(bytearray(5))  # y is 4 bytes: does not fit
+    whole = memoryview(bytearray(len(payload)))
+    places: list[Any] = [[head, tail], short, None, None, None, whole]
+    digests: list[int | None] = [None] * len(places)
+    commands = [("GET", x), ("GET", y), ("GET", f"{key_prefix}:none"), ("EXISTS", x),
+                ("GET", x), ("GET", big)]
+    replies = wire.execute(commands, places, digests=digests)
+    assert replies[0] is places[0] and bytes(head) + bytes(tail) == b"abcdefghij"
+    assert replies[1] is not short and bytes(replies[1]) == b"0123"  # type: ignore[arg-type]
+    assert bytes(short) == bytes(5)
+    assert replies[2] is None and replies[3] == 1
+    assert bytes(replies[4]) == b"abcdefghij"  # type: ignore[arg-type]
+    assert replies[5] is whole and bytes(whole) == payload
+    if native and native_mod.DIGESTS:
+        assert digests == [xxhash.xxh3_64_intdigest(b"defghij"), None, None, None, None,
+                           xxhash.xxh3_64_intdigest(payload)]
+    else:
+        assert digests == [None] * len(places)
+    with pytest.raises(ValueError, match="places"):
+        wire.execute(commands, places[:2])
+    client.close()
+
+
+def test_the_loops_digests_are_the_xxhash_packages() -> None:
+    """The receive loop hashes with the xxhash package's own XXH3 (bound by path), so a
+    digest it makes is the checksum serde would compute, for every length."""
+    import xxhash
+
+    from lmcache_remote import native as native_mod
+
+    if wire_mod._native is None:
+        if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
+            pytest.fail("lmcache_remote._wire is not built")
+        pytest.skip("lmcache_remote._wire is not built here")
+    assert native_mod.DIGESTS
+    data = os.urandom(1 << 20)
+    for n in [0, 1, 2, 3, 4, 7, 8, 9, 16, 17, 100, 128, 129, 239, 240, 241, 1000, 1024, 4096,
+              65_537, 1 << 20]:
+        assert wire_mod._native.xxh3(data[:n]) == xxhash.xxh3_64_intdigest(data[:n]), n
+
+
 def test_error_replies_are_raised_after_reading_everything(
     redis_url: str, key_prefix: str, native: bool
 ) -> None:
@@ -205,11 +265,10 @@ def test_reads_ask_two_of_their_largest_chunks_ahead_at_most_the_cap() -> None:
     assert read_ahead([]) == 0  # no replies, nothing to ask for
 
 
-def test_a_get_keeps_two_whole_chunks_asked_ahead(redis_url: str, key_prefix: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """What `RedisTier.get` asks its connection for: two chunks' worth of replies ahead, so
-    with a head and a tail per chunk (1 MiB chunks) the next chunk's head is asked for before
-    this chunk's is read."""
+def _stored_chunks(redis_url: str, key_prefix: str, heads: int, head_dim: int,
+                   **settings: Any) -> tuple[Any, list[Any], list[Any]]:
+    """A raw `RedisTier` over 4 chunks of 256 tokens (4 layers, bfloat16), written: chunk i
+    filled with i. Returns the tier, the specs and the written chunks."""
     import torch
 
     from lmcache_remote.hashing import KeyNamespace, TokenDatabase
@@ -217,26 +276,35 @@ def test_a_get_keeps_two_whole_chunks_asked_ahead(redis_url: str, key_prefix: st
     from lmcache_remote.metrics import Metrics
     from lmcache_remote.storage.redis_tier import RedisTier
 
-    layout = ChunkLayout(4, 2, 128, torch.bfloat16)  # 4 KiB per token: 1 MiB per chunk
-    db = TokenDatabase(KeyNamespace("ahead/model", 1, 0, "bfloat16"), 256, save_unfull_chunk=True)
+    layout = ChunkLayout(4, heads, head_dim, torch.bfloat16)
+    db = TokenDatabase(KeyNamespace("wire/tier", 1, 0, "bfloat16"), 256, save_unfull_chunk=True)
     specs = db.chunks(list(range(256 * 4)))
     pool = MemoryPool(64 * 1024 * 1024, pin_memory=False)
     objs = [pool.allocate(layout.shape(s.num_tokens), layout.dtype) for s in specs]
     for i, obj in enumerate(objs):
         assert obj is not None
         obj.tensor.fill_(i)
-    tier = RedisTier(CacheConfig(remote_url=redis_url, key_prefix=key_prefix, serde="raw"),
-                     layout, pool, Metrics())
+    cfg = CacheConfig(remote_url=redis_url, key_prefix=key_prefix, serde="raw", **settings)
+    tier = RedisTier(cfg, layout, pool, Metrics())
     assert tier.put([s.key for s in specs], objs) == len(specs)  # type: ignore[arg-type]
+    return tier, specs, objs
+
+
+def test_a_get_keeps_two_whole_chunks_asked_ahead(redis_url: str, key_prefix: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `RedisTier.get` asks its connection for: two chunks' worth of replies ahead, so
+    with a head and a tail per chunk (1 MiB chunks) the next chunk's head is asked for before
+    this chunk's is read."""
+    tier, specs, objs = _stored_chunks(redis_url, key_prefix, 2, 128)  # 1 MiB per chunk
     assert all(len(tier._keys(s)) == 2 for s in specs)  # a head and a tail each
     seen: list[tuple[list[int], int]] = []
     real = BulkPipeline.execute
 
-    def execute(self, commands, sink=None, *, reply_sizes=None, inflight_bytes=0):  # type: ignore[no-untyped-def]
+    def execute(self, commands, sink=None, *, reply_sizes=None, inflight_bytes=0, **kw):  # type: ignore[no-untyped-def]
         if reply_sizes is not None:
             seen.append((list(reply_sizes), inflight_bytes))
         return real(self, commands, sink, reply_sizes=reply_sizes,
-                    inflight_bytes=inflight_bytes)
+                    inflight_bytes=inflight_bytes, **kw)
 
     monkeypatch.setattr(BulkPipeline, "execute", execute)
     got = tier.get(specs)
@@ -263,8 +331,11 @@ def test_noperm_and_oom_replies(redis_factory: object, key_prefix: str, native: 
     admin.close()
 
 
+@pytest.mark.parametrize("places", [False, True], ids=["sink", "places"])
 def test_timeout_raises_and_the_connection_is_dropped(private_redis: RedisServer,
-                                                      native: bool) -> None:
+                                                      native: bool, places: bool) -> None:
+    """Also with places given up front, where the native loop waits without the GIL and must
+    take it back to raise."""
     client = _client(private_redis.url, timeout=0.3)
     client.set("k", b"v" * 100_000)
     wire = BulkPipeline(client, native=native)
@@ -272,7 +343,7 @@ def test_timeout_raises_and_the_connection_is_dropped(private_redis: RedisServer
     try:
         start = time.monotonic()
         with pytest.raises(redis.TimeoutError):
-            wire.execute([("GET", "k")])
+            wire.execute([("GET", "k")], [memoryview(bytearray(100_000))] if places else None)
         assert time.monotonic() - start < bound(1, 0.3)  # the socket timeout, not a hang
     finally:
         private_redis.resume()
@@ -282,16 +353,19 @@ def test_timeout_raises_and_the_connection_is_dropped(private_redis: RedisServer
     client.close()
 
 
+@pytest.mark.parametrize("places", [False, True], ids=["sink", "places"])
 def test_connection_lost_mid_reply_raises_connection_error(private_redis: RedisServer,
-                                                          native: bool) -> None:
+                                                          native: bool, places: bool) -> None:
     client = _client(private_redis.url, timeout=5.0)
-    client.set("big", b"z" * 64 * 1024 * 1024)
+    size = 64 * 1024 * 1024
+    client.set("big", b"z" * size)
     wire = BulkPipeline(client, native=native)
+    dests = [memoryview(bytearray(size)) for _ in range(4)] if places else None
     killer = threading.Timer(0.02, private_redis.kill)
     killer.start()
     with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
         for _ in range(100):
-            wire.execute([("GET", "big")] * 4)
+            wire.execute([("GET", "big")] * 4, dests)
     killer.join()
     pool = client.connection_pool
     assert all(c._sock is None for c in pool._available_connections)  # type: ignore[attr-defined]
@@ -329,6 +403,54 @@ def test_a_value_given_as_several_buffers_is_one_value(redis_url: str, key_prefi
     assert wire.execute([("SET", f"{key_prefix}:joined", (head, body))]) == [b"OK"]
     assert client.get(f"{key_prefix}:joined") == head + bytes(body)
     client.close()
+
+
+def test_a_raw_get_on_the_native_loop_checks_its_loops_digests(
+    redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`RedisTier.get` (raw, native loop): every part is checked against the digest the loop
+    made as it arrived, so serde hashes only the small headers; a part damaged in Redis is
+    still caught, by that digest, and cuts the read there."""
+    import torch
+    import xxhash
+
+    from lmcache_remote import native as native_mod
+    from lmcache_remote import serde as serde_mod
+
+    if wire_mod._native is None or not native_mod.DIGESTS:
+        if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
+            pytest.fail("the native loop with digests is required here")
+        pytest.skip("no native loop with digests here")
+    monkeypatch.setattr(wire_mod, "NATIVE", True)
+    # 256 KiB per chunk, in 32 KiB parts
+    tier, specs, objs = _stored_chunks(redis_url, key_prefix, 2, 32, remote_part_size=32 * 1024)
+    assert all(len(tier._keys(s)) >= 4 for s in specs)
+    hashed: list[int] = []
+
+    class Counting:
+        @staticmethod
+        def xxh3_64_intdigest(data: Any) -> int:
+            hashed.append(len(memoryview(data).cast("B")))
+            return xxhash.xxh3_64_intdigest(data)
+
+    monkeypatch.setattr(serde_mod, "xxhash", Counting)
+    got = tier.get(specs)
+    assert [torch.equal(g.tensor, o.tensor) for g, o in zip(got, objs, strict=True)] == \
+        [True] * len(specs)  # type: ignore[union-attr]
+    assert hashed and max(hashed) < 1024  # headers only: the parts' digests came from the loop
+    for obj in got:
+        obj.release()
+    client = redis.Redis.from_url(redis_url)
+    third = tier._keys(specs[2])[2]  # a part of the third chunk, flipped in Redis
+    value = bytearray(client.get(third))  # type: ignore[arg-type]
+    value[100] ^= 0x10
+    client.set(third, bytes(value))
+    got = tier.get(specs)
+    assert len(got) == 2 and tier.metrics.get("remote.corrupt_chunks") == 1
+    for obj in got + objs:
+        obj.release()  # type: ignore[union-attr]
+    client.close()
+    tier.close()
 
 
 @pytest.mark.parametrize(("write", "read"), [
@@ -413,7 +535,8 @@ def test_send_buffers_sends_every_byte_in_order_across_partial_sends() -> None:
 
 def _scripted(native: bool, script: Callable[[socket.socket], None],
               commands: list[tuple[str, str]], sink: Any = None,
-              sizes: list[int] | None = None, inflight: int = 0) -> list[Any]:
+              sizes: list[int] | None = None, inflight: int = 0,
+              digests: list[int | None] | None = None) -> list[Any]:
     """Runs a batch on one end of a socket pair while ``script`` plays the server on the
     other; returns the replies, or raises what `BulkPipeline.execute` would raise."""
     client_end, server_end = socket.socketpair()
@@ -434,7 +557,7 @@ def _scripted(native: bool, script: Callable[[socket.socket], None],
     pipeline = BulkPipeline(redis.Redis(), native=native)
     try:
         return pipeline._run(types.SimpleNamespace(_sock=client_end), commands, sink, sizes,
-                             inflight)
+                             inflight, digests)
     except BaseException as exc:
         raise wire_mod.translate(exc) from exc
     finally:
@@ -570,11 +693,17 @@ def test_both_readers_parse_any_replies_cut_anywhere(
     replies: list[tuple[str, Any]], cuts: list[int], split_at: int
 ) -> None:
     """Random replies of every kind, sent in random pieces: both readers return exactly them,
-    bulk payloads landing where the sink says (some split over two buffers), and agree."""
+    bulk payloads landing where the sink says (some split over two buffers), or in places
+    given up front when they fit (the native loop hashing exactly those), and agree."""
+    import xxhash
+
+    from lmcache_remote import native as native_mod
+
     commands, packed = _gets(len(replies))
     wire = b"".join(_encode(k, v) for k, v in replies)
     results = []
-    for native in ([False, True] if wire_mod._native is not None else [False]):
+    readers = [False, True] if wire_mod._native is not None else [False]
+    for native, up_front in [(n, g) for n in readers for g in (False, True)]:
         dests: dict[int, list[memoryview]] = {}
 
         def sink(index: int, length: int, dests: dict[int, list[memoryview]] = dests
@@ -584,6 +713,12 @@ def test_both_readers_parse_any_replies_cut_anywhere(
             dests[index] = [buf[:cut], buf[cut:]] if 0 < cut < length else [buf]
             return dests[index]
 
+        if up_front:  # the same places up front, for bulk replies; every third one a byte off
+            places: list[Any] = [None] * len(replies)
+            for i, (kind, value) in enumerate(replies):
+                if kind == "bulk":
+                    places[i] = sink(i, len(value) + (1 if i % 3 == 2 else 0))
+
         def script(sock: socket.socket) -> None:
             _read_commands(sock, packed, bytearray(), len(packed))
             pos, i = 0, 0
@@ -592,12 +727,19 @@ def test_both_readers_parse_any_replies_cut_anywhere(
                 sock.sendall(wire[pos:pos + step])
                 pos, i = pos + step, i + 1
 
-        got = _scripted(native, script, commands, sink)
+        digests: list[int | None] = [None] * len(replies)
+        got = _scripted(native, script, commands, places if up_front else sink, digests=digests)
         out = []
-        for (kind, value), reply in zip(replies, got, strict=True):
+        for i, ((kind, value), reply) in enumerate(zip(replies, got, strict=True)):
             if kind == "bulk":
                 parts = reply if isinstance(reply, list) else [reply]
                 assert b"".join(bytes(p) for p in parts) == value
+                if up_front:  # in its place exactly when the place fits
+                    fits = i % 3 != 2
+                    assert (reply is places[i] or reply is places[i][0]) is fits
+                    hashed = native and fits and native_mod.DIGESTS
+                    assert digests[i] == (xxhash.xxh3_64_intdigest(bytes(parts[-1]))
+                                          if hashed else None)
                 out.append(value)
             elif kind == "error":
                 assert isinstance(reply, redis.ResponseError) and str(reply) == value

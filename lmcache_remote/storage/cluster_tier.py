@@ -71,6 +71,8 @@ class _Failed:
 
 
 FAILED: Any = _Failed()
+#: A bulk GET's receiving: (sink, expected reply sizes, bytes asked ahead, digest slots).
+Receive = tuple[Sink, Sequence[int], int, list[int | None]]
 
 
 class _Unconnected:
@@ -180,17 +182,19 @@ class ClusterRedisTier(RedisTier):
         return True
 
     def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
-                  ahead: int) -> list[Reply]:
-        """The GETs scattered per node, each node's replies received where ``sink`` says (the
-        sink is called from the nodes' threads one at a time); a failed node's values are
-        misses (None)."""
-        lock = threading.Lock()
+                  ahead: int, digests: list[int | None]) -> list[Reply]:
+        """The GETs scattered per node, each node's replies received where ``sink`` says (a
+        callable sink is called from the nodes' threads one at a time); a failed node's values
+        are misses (None)."""
+        if callable(sink):
+            lock = threading.Lock()
+            inner = sink
 
-        def locked(index: int, length: int) -> Any:
-            with lock:
-                return sink(index, length)
+            def sink(index: int, length: int) -> Any:
+                with lock:
+                    return inner(index, length)
 
-        results = self._run(commands, "get", receive=(locked, sizes, ahead))
+        results = self._run(commands, "get", receive=(sink, sizes, ahead, digests))
         return [None if r is FAILED or isinstance(r, Exception) else r for r in results]
 
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> list[bool]:
@@ -239,31 +243,33 @@ class ClusterRedisTier(RedisTier):
     # -- scatter / gather ---------------------------------------------------------------------
 
     def _run(self, commands: Sequence[Command], what: str, bulk: bool = True,
-             receive: tuple[Sink, Sequence[int], int] | None = None) -> list[Any]:
+             receive: Receive | None = None) -> list[Any]:
         """Each command's reply, in order; `FAILED` where its node failed.
 
         Raises `BackendError` only when the batch had commands and every node it needed failed.
         `bulk=False` keeps redis-py's pipeline (replies as `bytes`, what `_decode` expects).
-        `receive`: (sink, expected reply sizes, bytes to keep asked ahead) for bulk GETs,
-        indexed like ``commands``: each node's bulk replies land where the sink says, as on a
-        single node.
+        `receive`: (sink, expected reply sizes, bytes to keep asked ahead, digest slots) for
+        bulk GETs, indexed like ``commands``: each node's bulk replies land where the sink
+        says, and their digests where the loop made them, as on a single node.
         """
         if not commands:
             return []
         cluster = self.cluster()
         groups, unrouted = self._group(cluster, commands)
         results: list[Any] = [FAILED] * len(commands)
-        futures: list[tuple[list[int], Future[list[Any]]]] = []
+        futures: list[tuple[list[int], Future[list[Any]], list[int | None]]] = []
         for node, indices in groups.values():
             batch = [commands[i] for i in indices]
             node_receive = None
+            node_digests: list[int | None] = [None] * len(indices)
             if receive is not None:
-                sink, sizes, ahead = receive
-                node_receive = (_shifted(sink, indices), [sizes[i] for i in indices], ahead)
+                sink, sizes, ahead, _ = receive
+                node_receive = (_shifted(sink, indices), [sizes[i] for i in indices], ahead,
+                                node_digests)
             futures.append((indices, self._executor.submit(
-                self._run_node, cluster, node, batch, bulk, node_receive)))
+                self._run_node, cluster, node, batch, bulk, node_receive), node_digests))
         errors: list[BackendError] = []
-        for indices, future in futures:
+        for indices, future, node_digests in futures:
             try:
                 replies = future.result()
             except BackendError as exc:
@@ -271,6 +277,9 @@ class ClusterRedisTier(RedisTier):
                 continue
             for i, reply in zip(indices, replies, strict=True):
                 results[i] = reply
+            if receive is not None:
+                for i, digest in zip(indices, node_digests, strict=True):
+                    receive[3][i] = digest
         self._account(what, errors, len(futures), unrouted)
         return results
 
@@ -309,7 +318,7 @@ class ClusterRedisTier(RedisTier):
 
     def _run_node(
         self, cluster: RedisCluster, node: ClusterNode, commands: list[Command], bulk: bool,
-        receive: tuple[Sink, list[int], int] | None = None,
+        receive: Receive | None = None,
     ) -> list[Any]:
         """One pipeline on one node under its own gate; redirected commands re-sent.
 
@@ -324,9 +333,10 @@ class ClusterRedisTier(RedisTier):
                 try:
                     if receive is None:
                         return BulkPipeline(client).execute(commands)
-                    sink, sizes, ahead = receive
+                    sink, sizes, ahead, digests = receive
                     return BulkPipeline(client).execute(
-                        commands, sink, reply_sizes=sizes, inflight_bytes=ahead)
+                        commands, sink, reply_sizes=sizes, inflight_bytes=ahead,
+                        digests=digests)
                 except redis.ResponseError:
                     pass  # MOVED/ASK/OOM...: redo below, keeping each answer (all idempotent)
             pipe = client.pipeline(transaction=False)
@@ -384,4 +394,6 @@ class ClusterRedisTier(RedisTier):
 
 def _shifted(sink: Sink, indices: Sequence[int]) -> Sink:
     """A node's sink: its i-th reply is the batch's reply ``indices[i]``."""
+    if not callable(sink):
+        return [sink[i] for i in indices]
     return lambda index, length: sink(indices[index], length)

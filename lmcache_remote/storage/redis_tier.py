@@ -451,9 +451,9 @@ class RedisTier(StorageTier):
         arena = self._arenas.acquire()
         good: list[MemoryObj] = []
         try:
-            replies = self._receive(window[: len(objs)], objs, arena)
-            for spec, obj, values in zip(window, objs, replies, strict=False):
-                if not self._decode_received(spec, obj, values):
+            replies, digests = self._receive(window[: len(objs)], objs, arena)
+            for spec, obj, values, known in zip(window, objs, replies, digests, strict=False):
+                if not self._decode_received(spec, obj, values, known):
                     break
                 good.append(obj)
         finally:
@@ -464,60 +464,73 @@ class RedisTier(StorageTier):
 
     def _receive(
         self, specs: Sequence[ChunkSpec], objs: Sequence[MemoryObj], arena: Any
-    ) -> list[list[Reply]]:
-        """GETs every part of every chunk in one pipeline; raw parts land in the chunk itself."""
+    ) -> tuple[list[list[Reply]], list[list[int | None]]]:
+        """GETs every part of every chunk in one pipeline; raw parts land in the chunk itself.
+        Returns each chunk's replies and, per reply, its part's XXH3-64 where the receive loop
+        made it (else None).
+
+        Raw: each value's place is given up front (value 0's header in the arena, then each
+        part's bytes in the chunk), so the native loop reads the whole batch without the GIL
+        and hashes each part as it lands (the last buffer of a place is the part's bytes); a
+        value of any other size lands in a fresh buffer and fails its checks. Other codecs:
+        each stored value goes into the arena as it comes."""
         key_lists = [self._keys(s) for s in specs]
         places = []  # per value: its chunk, part index, and raw byte range in the chunk
         totals = [self.layout.nbytes(spec.num_tokens) for spec in specs]  # raw bytes per chunk
         for c, (total, keys) in enumerate(zip(totals, key_lists, strict=True)):
             size = self.serde.part_size_for(total)
             places += [(c, p, p * size, min(total, (p + 1) * size)) for p in range(len(keys))]
-        in_place = self.serde.codec.codec_id == 0
-        arena.reserve(sum(o.nbytes for o in objs) + 4096 * len(places) if not in_place else 0)
-
-        def sink(index: int, length: int) -> memoryview | list[memoryview]:
-            chunk, part, start, end = places[index]
-            if in_place:
-                seg = objs[chunk].raw_view()[start:end]
-                head = header_nbytes(len(key_lists[chunk])) if part == 0 else 0
-                if length == head + len(seg):
-                    return [arena.take(head), seg] if head else seg
-            taken: memoryview = arena.take(length)
-            return taken
-
+        sink: Any
+        if self.serde.codec.codec_id == 0:
+            heads = [header_nbytes(len(keys)) for keys in key_lists]
+            arena.reserve(sum(heads))
+            sink = [[arena.take(heads[chunk]), objs[chunk].raw_view()[start:end]] if part == 0
+                    else objs[chunk].raw_view()[start:end]
+                    for chunk, part, start, end in places]
+        else:
+            arena.reserve(sum(o.nbytes for o in objs) + 4096 * len(places))
+            sink = lambda index, length: arena.take(length)  # noqa: E731
         sizes = [end - start for _, _, start, end in places]  # raw: what each GET returns
         flat = [("GET", key) for keys in key_lists for key in keys]
-        return regroup(self._bulk_get(flat, sink, sizes, read_ahead(totals)), key_lists)
+        digests: list[int | None] = [None] * len(flat)
+        replies = self._bulk_get(flat, sink, sizes, read_ahead(totals), digests)
+        return regroup(replies, key_lists), regroup(digests, key_lists)
 
     def _fast_reads(self) -> bool:
         """Whether `get` receives through `wire.BulkPipeline` (`_get_wire`)."""
         return self.wire is not None
 
     def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
-                  ahead: int) -> list[Reply]:
+                  ahead: int, digests: list[int | None]) -> list[Reply]:
         """Each GET's reply, received where ``sink`` says; None for a missing value. ``sizes``:
-        each reply's expected bytes; ``ahead``: the bytes to keep asked for (`read_ahead`)."""
+        each reply's expected bytes; ``ahead``: the bytes to keep asked for (`read_ahead`);
+        ``digests``: filled where the receive loop hashed a reply (`BulkPipeline.execute`)."""
 
         def op() -> list[Reply]:
             assert self.wire is not None
-            return self.wire.execute(commands, sink, reply_sizes=sizes, inflight_bytes=ahead)
+            return self.wire.execute(commands, sink, reply_sizes=sizes, inflight_bytes=ahead,
+                                     digests=digests)
 
         return list(self.caller.call(op))
 
-    def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply]) -> bool:
-        """Checks and decodes one chunk's replies into ``obj``; False for a miss or a bad one."""
+    def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply],
+                         digests: list[int | None]) -> bool:
+        """Checks and decodes one chunk's replies into ``obj``; False for a miss or a bad one.
+        ``digests``: each reply's part checksum as the receive loop computed it, or None."""
         if values[0] is None:
             self.metrics.inc("remote.miss_chunks")
             return False
         try:
             head = values[0]
             header = self._read_header(spec, head[0] if isinstance(head, list) else head)
-            values = self._all_parts(spec, header, values)
+            fetched = self._all_parts(spec, header, values)
+            if fetched is not values:  # fetched again: the loop's digests are not theirs
+                values, digests = fetched, [None] * len(fetched)
             stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
             self.serde.decode_parts_into(
                 header, stored, obj.tensor, spec.key.hash_bytes,
                 expected_shape=self.layout.shape(spec.num_tokens),
-                expected_dtype=self.layout.dtype,
+                expected_dtype=self.layout.dtype, digests=digests,
             )
         except CorruptEntryError as exc:
             self._drop_corrupt(spec, exc)

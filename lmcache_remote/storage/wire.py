@@ -16,6 +16,12 @@ Contract:
   string reply is received into ``sink(index, length)`` when that returns a writable buffer
   of exactly ``length`` bytes (or a list of buffers that add up to it, and the reply is then
   that list), else into a fresh buffer; a nil is None, an integer an int, a status a `bytes`.
+  ``sink`` may also be a list of places, one per command, given up front (a buffer, a list of
+  buffers, or None): a bulk reply whose length is its place's total lands there, any other in
+  a fresh buffer. The native loop runs such a batch without the GIL from end to end, and
+  with ``digests`` (a list, one None per command) it also stores the XXH3-64 of each place's
+  last buffer as it fills it, while the bytes are still in the CPU cache; entries it leaves
+  None (the Python reader, a reply that did not fit, no libxxhash) are the caller's to hash.
 - Error replies (``-ERR``, ``-NOPERM``, ``-OOM``) do not stop the reading: every reply is read,
   so the connection stays in step, then the first error is raised as redis-py would raise it.
 - A socket timeout raises `redis.TimeoutError`, a lost connection or a reply this reader does
@@ -46,11 +52,14 @@ from typing import Any, TypeGuard
 import redis
 from redis.exceptions import ResponseError
 
+from lmcache_remote.native import DIGESTS
 from lmcache_remote.native import wire as _native  # the C loop, or None: Python does it all
 
 BytesLike = bytes | bytearray | memoryview
 Reply = bytes | memoryview | list[memoryview] | int | None | ResponseError
-Sink = Callable[[int, int], "memoryview | list[memoryview] | None"]
+Dest = memoryview | list[memoryview] | None
+#: Where bulk replies go: asked per reply, or one place per command given up front.
+Sink = Callable[[int, int], Dest] | Sequence[Dest]
 
 _CRLF = b"\r\n"
 _COALESCE = 64 * 1024  # values smaller than this are copied into the command buffer
@@ -216,7 +225,12 @@ class _Reader:
             length = int(rest)
             if length < 0:
                 return None
-            dest = sink(index, length) if sink is not None else None
+            if sink is None:
+                dest = None
+            elif callable(sink):
+                dest = sink(index, length)
+            else:
+                dest = _fitting(sink[index], length)
             dests = _as_list(dest, length)
             self.into(dests)
             self.skip_crlf()
@@ -246,10 +260,19 @@ def translate(exc: BaseException) -> BaseException:
 def _as_list(dest: memoryview | list[memoryview] | None, length: int) -> list[memoryview]:
     if dest is None:
         return [memoryview(bytearray(length))]
-    dests = [dest] if isinstance(dest, memoryview) else list(dest)
+    dests = [dest] if isinstance(dest, memoryview) else dest if isinstance(dest, list) \
+        else list(dest)  # a list given is the reply itself, as in the native loop
     if sum(len(d) for d in dests) != length:
         raise ValueError("sink returned buffers that do not add up to the reply length")
     return dests
+
+
+def _fitting(place: Any, length: int) -> Any:
+    """A list sink's place when its buffers add up to ``length``, else None (a fresh one)."""
+    if place is None:
+        return None
+    total = len(place) if isinstance(place, memoryview) else sum(len(d) for d in place)
+    return place if total == length else None
 
 
 def _error(text: str) -> ResponseError:
@@ -271,8 +294,8 @@ class BulkPipeline:
         self.native = NATIVE if native is None else native
 
     def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None, *,
-                reply_sizes: Sequence[int] | None = None, inflight_bytes: int = 0
-                ) -> list[Reply]:
+                reply_sizes: Sequence[int] | None = None, inflight_bytes: int = 0,
+                digests: list[int | None] | None = None) -> list[Reply]:
         """Runs the batch. With ``reply_sizes`` (the expected size of each reply) and
         ``inflight_bytes``, commands are sent as the replies come in, so that the replies
         asked for and not yet read add up to at most ``inflight_bytes`` (at least one command
@@ -283,9 +306,15 @@ class BulkPipeline:
             return []
         if reply_sizes is not None and len(reply_sizes) != len(commands):
             raise ValueError(f"{len(reply_sizes)} reply sizes for {len(commands)} commands")
+        if sink is not None and not callable(sink):
+            sink = list(sink)
+            if len(sink) != len(commands):
+                raise ValueError(f"{len(sink)} places for {len(commands)} commands")
+        if digests is not None and len(digests) != len(commands):
+            raise ValueError(f"{len(digests)} digest slots for {len(commands)} commands")
         conn = self.pool.get_connection()
         try:
-            replies = self._run(conn, commands, sink, reply_sizes, inflight_bytes)
+            replies = self._run(conn, commands, sink, reply_sizes, inflight_bytes, digests)
         except BaseException as exc:
             conn.disconnect()
             self.pool.release(conn)
@@ -296,11 +325,14 @@ class BulkPipeline:
         self.pool.release(conn)
         for reply in replies:
             if isinstance(reply, ResponseError):
+                if digests is not None:  # the caller redoes the batch another way
+                    digests[:] = [None] * len(digests)
                 raise reply
         return replies
 
     def _run(self, conn: Any, commands: Sequence[Sequence[Any]], sink: Sink | None,
-             reply_sizes: Sequence[int] | None, inflight_bytes: int) -> list[Reply]:
+             reply_sizes: Sequence[int] | None, inflight_bytes: int,
+             digests: list[int | None] | None = None) -> list[Reply]:
         sock = conn._sock
         if sock is None:
             conn.connect()
@@ -311,8 +343,9 @@ class BulkPipeline:
                 timeout = sock.gettimeout()
                 replies: list[Reply] = _native.run_batch(
                     sock.fileno(), -1.0 if timeout is None else timeout, packed,
-                    None if reply_sizes is None else list(reply_sizes), inflight_bytes, sink,
-                    _error)
+                    None if reply_sizes is None else list(reply_sizes), inflight_bytes,
+                    sink if sink is None or callable(sink) else list(sink), _error,
+                    digests if DIGESTS else None)
                 return replies
         reader = _Reader(sock)
         if reply_sizes is None or inflight_bytes <= 0:
