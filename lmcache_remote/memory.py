@@ -8,7 +8,11 @@ buffer goes back to the pool when the last one is released, never earlier.
 `MemoryPool.allocate` returns None, never raises, when the bytes in use would pass the bound:
 the caller keeps the chunks it got and stops (a store keeps the prefix that fits). Freed buffers
 are kept and handed out again to the next allocation of the same size: fresh allocations
-page-fault and copy several times slower than reused memory. Kept-but-free buffers count toward
+page-fault and copy several times slower than reused memory. A reused buffer also keeps the
+views made of it (the chunk tensor of each shape, the byte view): making a torch view or a
+numpy array is a call that gives up the GIL, and in an engine process with another busy
+Python thread each such call waits up to the GIL's switch interval (5 ms) to get it back, four
+of them per chunk read. Kept-but-free buffers count toward
 the bound and are dropped first when room is needed (largest sizes first), so the bound on
 bytes held is the only bound: every freed buffer is kept, whatever its size or how many of its
 size are kept already (a read of 256 chunks gets 256 reused buffers, not a few and 200 fresh
@@ -25,33 +29,65 @@ from collections.abc import Iterable
 import torch
 
 
-class MemoryObj:
-    """One chunk's CPU buffer. Thread-safe reference counting; `tensor` is contiguous."""
+class _Block:
+    """One pool buffer (flat uint8) and the views made of it, kept while the pool reuses it:
+    the chunk tensor per (shape, dtype) and the byte view. Only the pool's lock holder and
+    the one `MemoryObj` that has the block touch it."""
 
-    __slots__ = ("_buffer", "_pool", "_raw", "_refs", "tensor")
+    __slots__ = ("buffer", "raw", "size", "views")
+
+    _MAX_VIEWS = 4  # shapes kept per buffer (one in practice: a size is one chunk shape)
+
+    def __init__(self, buffer: torch.Tensor, size: int) -> None:
+        self.buffer = buffer
+        self.size = size
+        self.raw: memoryview | None = None
+        self.views: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        tensor = self.views.get((shape, dtype))
+        if tensor is None:
+            if len(self.views) >= self._MAX_VIEWS:
+                self.views.clear()
+            tensor = self.views[(shape, dtype)] = self.buffer[:nbytes].view(dtype).view(shape)
+        return tensor
+
+    def bytes_view(self, nbytes: int) -> memoryview:
+        if self.raw is None:
+            self.raw = memoryview(self.buffer.numpy())  # type: ignore[arg-type]
+        return self.raw[:nbytes]
+
+
+class MemoryObj:
+    """One chunk's CPU buffer. Thread-safe reference counting; `tensor` is contiguous. The
+    tensor object may be the one an earlier holder of the same pool buffer had (same memory,
+    same shape): holders use it and do not change its metadata in place."""
+
+    __slots__ = ("_block", "_nbytes", "_pool", "_raw", "_refs", "tensor")
 
     def __init__(
-        self, buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, pool: MemoryPool
+        self, block: _Block, shape: tuple[int, ...], dtype: torch.dtype, pool: MemoryPool
     ) -> None:
-        self._buffer = buffer
+        self._block = block
         self._pool: MemoryPool | None = pool
         self._refs = 1
         self._raw: memoryview | None = None
-        self.tensor = buffer[: _nbytes(shape, dtype)].view(dtype).view(shape)
+        self._nbytes = _nbytes(shape, dtype)
+        self.tensor = block.view(shape, dtype, self._nbytes)
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return self._nbytes
 
     @property
     def ref_count(self) -> int:
         return self._refs
 
     def raw_view(self) -> memoryview:
-        """The chunk's bytes as a writable memoryview (no copy; made once per object)."""
+        """The chunk's bytes as a writable memoryview (no copy; made once per buffer)."""
         raw = self._raw
         if raw is None:  # the buffer is flat uint8 and the tensor its leading bytes
-            raw = self._raw = memoryview(self._buffer.numpy())[: self.nbytes]  # type: ignore[arg-type]
+            raw = self._raw = self._block.bytes_view(self._nbytes)
         return raw
 
     def retain(self) -> MemoryObj:
@@ -71,7 +107,7 @@ class MemoryObj:
             if self._refs > 0:
                 return
             self._pool = None
-        pool.give_back(self._buffer)
+        pool.give_back(self._block)
 
 
 def leading_fit(sizes: Iterable[int], room: int) -> int:
@@ -97,7 +133,7 @@ class MemoryPool:
         self.max_bytes = max_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.lock = threading.RLock()
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._free: dict[int, list[_Block]] = defaultdict(list)
         self._free_bytes = 0
         self._used_bytes = 0
         self.failed_allocations = 0
@@ -114,15 +150,15 @@ class MemoryPool:
         """A buffer for a chunk of `shape`/`dtype`, or None if it would pass the bound."""
         size = _nbytes(shape, dtype)
         with self.lock:
-            buffer = self._take_free(size)
-            if buffer is None:
+            block = self._take_free(size)
+            if block is None:
                 if self._used_bytes + size > self.max_bytes:
                     self.failed_allocations += 1
                     return None
                 self._drop_free(self._used_bytes + self._free_bytes + size - self.max_bytes)
-                buffer = self._new_buffer(size)
+                block = _Block(self._new_buffer(size), size)
             self._used_bytes += size
-        return MemoryObj(buffer, shape, dtype, self)
+        return MemoryObj(block, shape, dtype, self)
 
     def shortfall(self, nbytes: int) -> int:
         """Bytes that must be freed (released by their holders) before an allocation of
@@ -130,11 +166,11 @@ class MemoryPool:
         with self.lock:
             return self._used_bytes + nbytes - self.max_bytes
 
-    def give_back(self, buffer: torch.Tensor) -> None:
-        size = buffer.numel()
+    def give_back(self, block: _Block) -> None:
+        size = block.size
         with self.lock:
             self._used_bytes -= size  # held bytes unchanged: still within the bound
-            self._free[size].append(buffer)
+            self._free[size].append(block)
             self._free_bytes += size
 
     def trim(self) -> None:
@@ -142,7 +178,7 @@ class MemoryPool:
         with self.lock:
             self._drop_free(self._free_bytes)
 
-    def _take_free(self, size: int) -> torch.Tensor | None:
+    def _take_free(self, size: int) -> _Block | None:
         bucket = self._free.get(size)
         if not bucket:
             return None

@@ -94,3 +94,29 @@ def test_every_freed_buffer_is_kept_within_the_bound() -> None:
     assert big is not None and pool.held_bytes <= pool.max_bytes
     pool.trim()
     assert pool.held_bytes == pool.used_bytes == count * size
+
+
+def test_a_reused_buffer_keeps_its_views_and_each_shape_gets_its_own() -> None:
+    """Reusing a buffer reuses the views made of it (the chunk tensor, the byte view), so a
+    read makes no torch or numpy call per chunk; a buffer of the same size asked for in
+    another shape or dtype gets a view of that shape, over the same bytes."""
+    pool = MemoryPool(LAYOUT.nbytes(16), pin_memory=False)
+    first = pool.allocate(LAYOUT.shape(16), LAYOUT.dtype)
+    assert first is not None
+    tensor, raw = first.tensor, first.raw_view()
+    first.tensor.fill_(3)
+    first.release()
+    again = pool.allocate(LAYOUT.shape(16), LAYOUT.dtype)
+    assert again is not None and again.tensor is tensor
+    assert again.raw_view().obj is raw.obj and len(again.raw_view()) == LAYOUT.nbytes(16)
+    again.release()
+    other = pool.allocate((LAYOUT.nbytes(16) // 4,), torch.float32)  # same bytes, other view
+    assert other is not None and other.tensor is not tensor
+    assert tuple(other.tensor.shape) == (LAYOUT.nbytes(16) // 4,)
+    assert other.tensor.dtype == torch.float32 and other.nbytes == LAYOUT.nbytes(16)
+    assert other.tensor.data_ptr() == tensor.data_ptr()
+    assert bytes(other.raw_view()) == bytes(raw)  # the same memory (bf16 threes)
+    other.release()
+    back = pool.allocate(LAYOUT.shape(16), LAYOUT.dtype)
+    assert back is not None and back.tensor is tensor  # the first shape's view is still kept
+    back.release()

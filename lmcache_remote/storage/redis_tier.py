@@ -528,7 +528,7 @@ class RedisTier(StorageTier):
                 values, digests = fetched, [None] * len(fetched)
             stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
             self.serde.decode_parts_into(
-                header, stored, obj.tensor, spec.key.hash_bytes,
+                header, stored, obj, spec.key.hash_bytes,
                 expected_shape=self.layout.shape(spec.num_tokens),
                 expected_dtype=self.layout.dtype, digests=digests,
             )
@@ -572,7 +572,7 @@ class RedisTier(StorageTier):
                 return None
             try:
                 self.serde.decode_into(
-                    header, values, obj.tensor, spec.key.hash_bytes,
+                    header, values, obj, spec.key.hash_bytes,
                     expected_shape=self.layout.shape(spec.num_tokens),
                     expected_dtype=self.layout.dtype,
                 )
