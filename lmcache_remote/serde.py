@@ -42,6 +42,7 @@ from lmcache_remote.codecs import CODECS as CODECS
 from lmcache_remote.codecs import CODECS_BY_ID, Codec, RawCodec
 from lmcache_remote.codecs import get_codec as get_codec
 from lmcache_remote.errors import CorruptEntryError, SerdeError
+from lmcache_remote.native import DIGESTS as _DIGESTS  # the C XXH3 is bound and agrees
 from lmcache_remote.native import wire as _native  # `address` of a buffer, cheaply (C)
 from lmcache_remote.sizing import plan_part_size
 
@@ -241,17 +242,22 @@ class Serde:
 
     # --- encode ---------------------------------------------------------------------------
 
-    def encode(self, tensor: torch.Tensor, chunk_hash: bytes, num_tokens: int) -> list[BytesLike]:
+    def encode(self, tensor: torch.Tensor | TensorHolder, chunk_hash: bytes, num_tokens: int
+               ) -> list[BytesLike]:
         """The values of one chunk: ``values[0]`` header + part 0, then parts 1..n-1."""
         header, parts = self.encode_parts(tensor, chunk_hash, num_tokens)
         return [b"".join((header, parts[0])), *parts[1:]]
 
     def encode_parts(
-        self, tensor: torch.Tensor, chunk_hash: bytes, num_tokens: int
+        self, tensor: torch.Tensor | TensorHolder, chunk_hash: bytes, num_tokens: int
     ) -> tuple[bytes, list[BytesLike]]:
         """`encode` without joining the header to part 0 (which copies part 0): the header and
-        the stored parts; value 0 is ``header + parts[0]``, value i is ``parts[i]``."""
-        raw = _tensor_bytes(tensor)
+        the stored parts; value 0 is ``header + parts[0]``, value i is ``parts[i]``. A
+        `MemoryObj` may stand for its tensor: its kept byte view is used (no torch call)."""
+        raw_of = getattr(tensor, "raw_view", None)
+        if not isinstance(tensor, torch.Tensor):
+            tensor = tensor.tensor
+        raw = raw_of() if raw_of is not None else _tensor_bytes(tensor)
         shape = tuple(tensor.shape)
         _check_shape(shape, SerdeError)
         if tensor.dtype not in DTYPE_CODES:
@@ -261,7 +267,7 @@ class Serde:
         _check_setting("num_tokens", num_tokens, 1, MAX_NUM_TOKENS)
         size = self.part_size_for(len(raw))
         segments = [raw[i * size : (i + 1) * size] for i in range(self.part_count(len(raw)))]
-        itemsize = tensor.element_size()
+        itemsize = tensor.dtype.itemsize
         stored = self._map(self.codec, lambda seg: self._encode_part(seg, itemsize), segments)
         header = bytearray(header_nbytes(len(segments)))
         HEADER_FIXED.pack_into(
@@ -278,7 +284,7 @@ class Serde:
 
     def _encode_part(self, segment: memoryview, itemsize: int) -> tuple[BytesLike, int]:
         data = self.codec.encode(segment, itemsize)
-        return data, xxhash.xxh3_64_intdigest(data)
+        return data, checksum(data)
 
     # --- decode ---------------------------------------------------------------------------
 
@@ -350,8 +356,8 @@ class Serde:
             jobs.append((i, data, dst[start:end], header.parts[i][1] if known is None else None))
 
         def decode_part(job: tuple[int, memoryview, memoryview, int | None]) -> None:
-            index, data, out_part, checksum = job
-            if checksum is not None and xxhash.xxh3_64_intdigest(data) != checksum:
+            index, data, out_part, expected = job
+            if expected is not None and checksum(data) != expected:
                 raise _corrupt(f"part {index} fails its checksum")
             at, out_at = _address(data), _address(out_part)
             if len(data) and len(out_part) and (
@@ -390,8 +396,18 @@ class Serde:
         return list(pool.map(fn, items))
 
 
+def checksum(data: Any) -> int:
+    """XXH3-64 of a part's stored bytes. With the native module it is the xxhash package's
+    own function called without giving up the GIL (about 20 us per MiB): the package's
+    binding gives it up for big inputs, and with another busy Python thread in the process
+    each such call waited up to the 5 ms switch interval to get it back."""
+    if _DIGESTS:
+        return _native.xxh3(data)
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def _header_checksum(data: Any) -> int:
-    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+    return checksum(data) & 0xFFFFFFFF
 
 
 def _parse_header(buf: memoryview) -> ValueHeader:

@@ -314,10 +314,10 @@ class RedisTier(StorageTier):
             num_tokens = obj.tensor.shape[2]
             values: list[Any]
             if self.wire is not None:  # value 0 as (header, part 0): no copy of part 0
-                header, parts = self.serde.encode_parts(obj.tensor, key.hash_bytes, num_tokens)
+                header, parts = self.serde.encode_parts(obj, key.hash_bytes, num_tokens)
                 values = [(header, parts[0]), *parts[1:]]
             else:
-                values = list(self.serde.encode(obj.tensor, key.hash_bytes, num_tokens))
+                values = list(self.serde.encode(obj, key.hash_bytes, num_tokens))
             batch.append((key.part_keys(self.prefix, len(values)), values))
         return self._write(batch)
 
