@@ -58,6 +58,8 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from lmcache_remote.native import wire as _native  # its copy_rows, or None: torch / numpy
+
 __all__ = ["DEFAULT_STAGING_BYTES", "PAGED_LAYOUTS", "DenseKV", "KVView", "PagedKV"]
 
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -323,6 +325,8 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         if not self._rows_direct or not all(host.is_contiguous() for _, host in group):
             super()._copy_group(layers, group, to_host)
             return
+        if _native is not None and NATIVE_ROWS and self._copy_rows_native(layers, group, to_host):
+            return
         reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         writes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         indexes = self._row_indexes([r for r, _ in group])
@@ -344,6 +348,37 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
             _run_split(_select_rows, reads)
         if writes:
             _run_split(_assign_rows, writes)
+
+    def _copy_rows_native(
+        self, layers: range, group: list[tuple[Range, torch.Tensor]], to_host: bool
+    ) -> bool:
+        """`_copy_group`'s row copies in `lmcache_remote._wire.copy_rows`: the same rows, one
+        call per copy thread that gives the GIL up once for all of them, where the torch /
+        numpy copies gave it up per layer, plane and chunk (with another busy Python thread
+        in the process each hand-off waits up to the 5 ms switch interval). Only calls that
+        keep the GIL are made per chunk (`data_ptr`, `numel`). False, nothing copied, where a
+        chunk's geometry does not match (the torch / numpy copies then run)."""
+        itemsize = self.dtype.itemsize
+        planes = 2 if self.layout == "kv_split" else 1
+        plane_bytes = self._layers[0].numel() * itemsize // planes
+        bases = [t.data_ptr() + p * plane_bytes for t in (self._layers[i] for i in layers)
+                 for p in range(planes)]
+        jobs: list[tuple[int, int, int, int, np.ndarray]] = []
+        for (_, host), (rows, index) in zip(group, self._row_indexes([r for r, _ in group]),
+                                            strict=True):
+            row_bytes, count = plane_bytes // rows, len(index)
+            layer_bytes = host.numel() // host.shape[0] * itemsize  # a chunk's layer: P planes
+            if (host.dtype != self.dtype or host.shape[0] < layers.stop
+                    or layer_bytes != planes * count * row_bytes):
+                return False
+            start = host.data_ptr() + layers.start * layer_bytes
+            index = np.ascontiguousarray(index, dtype=np.int64)
+            jobs += [(base, rows, start + k * count * row_bytes, row_bytes, index)
+                     for k, base in enumerate(bases)]
+        native = _native
+        assert native is not None
+        _run_split(lambda part: native.copy_rows(list(part), to_host), jobs)
+        return True
 
     def _plane_rows(self, layers: range, rows: int) -> list[torch.Tensor]:
         """Each layer's planes (K then V, or MLA's one) as ``rows`` rows, in chunk order."""
@@ -497,6 +532,11 @@ def _groups(
 def _copy_pairs(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for dst, src in copies:
         dst.copy_(src)
+
+
+#: Whether `PagedKV`'s CPU row copies run in the native `copy_rows` (when it is built);
+#: the torch / numpy copies are the fallback and the reference (tests run both).
+NATIVE_ROWS = os.environ.get("LMCR_NATIVE_ROWS", "1") != "0"
 
 
 def _select_rows(reads: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:

@@ -168,6 +168,52 @@ def gather_all(view: KVView, ranges: list[tuple[int, int]]) -> list[torch.Tensor
 # -- gather and scatter, per layout and dtype ----------------------------------------------
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["native-rows", "torch-rows"])
+def row_copier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every test runs with PagedKV's CPU row copies in the native `copy_rows` and in torch /
+    numpy (the reference); the native runs fail where it is required and not built."""
+    import os
+
+    from lmcache_remote import connectors
+    from lmcache_remote.native import wire
+
+    if request.param and wire is None:
+        if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
+            pytest.fail("lmcache_remote._wire is not built")
+        pytest.skip("lmcache_remote._wire is not built here")
+    monkeypatch.setattr(connectors, "NATIVE_ROWS", request.param)
+    return bool(request.param)
+
+
+@pytest.mark.parametrize("layout", ["kv_split", "mla"])
+def test_cpu_row_copies_run_in_the_native_copier_when_it_is_on(
+    layout: str, row_copier: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runs above compare results only: here the copies must also have gone through
+    `copy_rows` (native on) or not at all (off), whole blocks and single slots alike."""
+    from lmcache_remote import connectors
+
+    calls: list[bool] = []
+    real = connectors._native
+
+    class Spy:
+        @staticmethod
+        def copy_rows(jobs: list[Any], gather: bool) -> None:
+            calls.append(gather)
+            assert real is not None
+            real.copy_rows(jobs, gather)
+
+    monkeypatch.setattr(connectors, "_native", Spy if real is not None else None)
+    src = make(layout, torch.bfloat16, seed=4)
+    chunks = gather_all(src.view(), RANGES)
+    dst = make(layout, torch.bfloat16, seed=5, random=False)
+    dst.view().scatter(RANGES, chunks)
+    for (start, end), chunk in zip(RANGES, chunks, strict=True):
+        assert same(reference_chunk(src, start, end), chunk)
+        assert same(reference_chunk(dst, start, end), chunk)
+    assert (True in calls and False in calls) if row_copier else not calls
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gather_matches_reference(layout: str, dtype: torch.dtype) -> None:
