@@ -3,7 +3,9 @@ interleaved (rep 1 of each contender, then rep 2 of each, ...) so that the load 
 machine falls on all of them alike and their ratios stay meaningful.
 
 A contender has ``put()`` and ``get()`` (timed) and ``clean()`` (untimed, right after its
-get: removes its keys, so every put starts on an empty server).
+get: removes its keys, so every put starts on an empty server), and ``busy(on)``, which starts
+or stops a spinning Python thread in the contender's own process (`benchmarks.spinner`) for
+the duel beside a busy thread.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from benchmarks.data import Shape, same_kv
 from benchmarks.engine_rows import TierSource, _config
 from benchmarks.limits import PlainSocket, split
 from benchmarks.server import LocalRedis
+from benchmarks.spinner import Spinner
 from lmcache_remote import CacheEngine, KVView
 from lmcache_remote.memory import MemoryObj
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.redis_tier import RedisTier
+
+#: The spinning thread of this process (the project's contenders run here).
+SPINNER = Spinner()
 
 
 def _raw(chunk: torch.Tensor) -> memoryview:
@@ -40,6 +46,7 @@ class Contender:
     check: Callable[[], bool] = lambda: True
     after: Callable[[], object] = lambda: None  # untimed, after each get (frees buffers)
     close: Callable[[], object] = lambda: None
+    busy: Callable[[bool], object] = SPINNER.set  # a spinning thread in its own process
 
 
 def plain_socket(server: LocalRedis, chunks: Sequence[torch.Tensor], part: int) -> Contender:
@@ -131,23 +138,27 @@ def redis_bytes(server: LocalRedis, c: Contender, nbytes: int) -> float:
 
 
 def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object],
-         keep_open: Sequence[Contender] = ()) -> dict[str, tuple[float, float]]:
+         keep_open: Sequence[Contender] = (), busy: bool = False
+         ) -> dict[str, tuple[float, float]]:
     """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each;
     every contender is closed after, but those in ``keep_open``.
     Every put starts on an empty server that has freed what the last contender wrote (its
     ``clean``, then ``settle``, untimed): data left by one contender would change the server's
-    memory state, and so the speed, of the next."""
+    memory state, and so the speed, of the next. With ``busy`` each contender's put and get
+    run with a spinning Python thread in its own process (and none elsewhere)."""
     times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in contenders}
     for c in contenders:
         c.clean()
     for rep in range(reps + 1):
         for c in contenders:
             settle()
+            c.busy(busy)
             start = time.perf_counter()
             c.put()
             middle = time.perf_counter()
             c.get()
             end = time.perf_counter()
+            c.busy(False)
             if rep == 0:
                 assert c.check(), f"{c.name} read back different bytes"
             else:

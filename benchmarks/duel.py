@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.duel                 # 1 MiB x 256, LMCache included
     .venv/bin/python -m benchmarks.duel --set llama --count 16 --reps 5 --no-lmcache
+    .venv/bin/python -m benchmarks.duel --busy          # also the duel beside a busy thread
 
 The same field as `benchmarks.run`'s side-by-side rows (plain socket, the real LMCache's three
 variants when its environment is there, `RedisTier raw`, `engine raw`), interleaved
@@ -18,7 +19,7 @@ import torch
 
 from benchmarks import lmcache_rows
 from benchmarks.data import LLAMA8B, MIB1
-from benchmarks.report import side_section
+from benchmarks.report import lmcache_targets, side_section
 from benchmarks.run import _side_by_side
 from benchmarks.server import LocalRedis
 from benchmarks.timing import Results
@@ -33,13 +34,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", type=int, default=256, help="chunks (default 256)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-lmcache", action="store_true")
+    parser.add_argument("--busy", action="store_true",
+                        help="then the duel with a spinning Python thread in each process")
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     shape = SETS[args.set]
     env = None if args.no_lmcache else lmcache_rows.SideEnv()
     res = Results()
     with LocalRedis() as server:
-        _side_by_side(res, server, shape, args.count, args.reps, env, ("raw",))
+        _side_by_side(res, server, shape, args.count, args.reps, env, ("raw",),
+                      busy=args.busy)
+    for line in lmcache_targets(res, side_section(shape, args.count)) if env else []:
+        print(line)
     sec = side_section(shape, args.count)
     fig = {r.name: r.value for r in res.rows if r.section == sec}
     peers = [n for n in fig if n.startswith("LMCache") and n.endswith((": store", ": retrieve"))]

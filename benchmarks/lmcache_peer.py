@@ -16,6 +16,8 @@ line on stdin with one JSON line on stdout:
 - ``get``: `batched_get_blocking` of every key, the objects kept for ``check``;
 - ``check``: whether the objects last got hold exactly the bytes put; then frees them;
 - ``clean``: frees what ``get`` returned (the driver deletes the keys itself);
+- ``spin`` / ``still``: starts / stops a spinning Python thread in this process
+  (`benchmarks.spinner`), for the duel beside a busy thread;
 - ``quit``.
 
 Timing happens in the driver (`benchmarks.contenders`), around the command's round trip on
@@ -30,6 +32,8 @@ import os
 import sys
 import threading
 from typing import Any
+
+from benchmarks.spinner import Spinner
 
 
 def _build(url: str, layers: int, heads: int, head: int, count: int, chunk_bytes: int
@@ -127,7 +131,18 @@ def main(argv: list[str]) -> None:
         free_got()
         return {"ok": True}
 
-    commands = {"put": put, "get": get, "check": check, "clean": clean}
+    spinner = Spinner()
+
+    def spin() -> dict[str, Any]:
+        spinner.set(True)
+        return {"ok": True}
+
+    def still() -> dict[str, Any]:
+        spinner.set(False)
+        return {"ok": True}
+
+    commands = {"put": put, "get": get, "check": check, "clean": clean, "spin": spin,
+                "still": still}
     print(json.dumps({"ready": True}), file=replies, flush=True)
     for line in sys.stdin:
         name = line.strip()

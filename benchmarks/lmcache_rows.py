@@ -120,6 +120,9 @@ def contenders(env: SideEnv, server: LocalRedis, data: DataFile, shape: Shape, c
             peer.ask("clean")
             server.clear()
 
+        def busy(on: bool, peer: _Peer = peer) -> None:
+            peer.ask("spin" if on else "still")
+
         out.append(Contender(name, put, get, clean, check=lambda p=peer: p.ask("check"),
-                             close=peer.close))
+                             close=peer.close, busy=busy))
     return out

@@ -17,6 +17,14 @@ def side_section(shape: Any, count: int) -> str:
     size = f"{mib:g} MiB" if mib >= 1 else f"{shape.chunk_bytes // 1024} KiB"
     return f"side by side, {size} x {count}"
 
+def busy_section(shape: Any, count: int) -> str:
+    """The section of the duel beside a busy Python thread (`benchmarks.spinner`)."""
+    return side_section(shape, count).replace("side by side", "beside a busy Python thread")
+
+
+#: The contenders of the busy duel: LMCache's default and fastest paths, the tier, the engine.
+BUSY_FIELD = ("LMCache redis://", "LMCache resp://", "RedisTier raw", "engine raw")
+
 CONSTANT_MIB = 128  # the "small constant" of the RSS target: interpreter threads, arenas, slack
 
 
@@ -57,6 +65,18 @@ def lmcache_targets(res: Results, section: str) -> list[str]:
     lines.append(f"- {section}: Redis bytes per KV byte: RedisTier raw "
                  f"{g(section, 'RedisTier raw: Redis memory / KV byte'):.3f}; "
                  + "; ".join(mem) + ".")
+    busy = section.replace("side by side", "beside a busy Python thread")
+    if "RedisTier raw: retrieve" in {r.name for r in res.rows if r.section == busy}:
+        for op, word in (("store", "put"), ("retrieve", "get")):
+            peers = [n for n in BUSY_FIELD if n.startswith("LMCache")]
+            best = max(peers, key=lambda n: g(busy, f"{n}: {op}"))
+            tier, engine = g(busy, f"RedisTier raw: {op}"), g(busy, f"engine raw: {op}")
+            lines.append(
+                f"- {busy}, {word} (measured, no target): RedisTier raw {tier:.2f} GB/s, "
+                f"{tier / g(busy, f'{best}: {op}'):.2f}x LMCache's fastest there ({best}); "
+                f"CacheEngine raw {engine:.2f} GB/s, "
+                f"{engine / g(busy, f'{LMCACHE[0]}: {op}'):.2f}x {LMCACHE[0]}; idle, the tier "
+                f"{tier / g(section, f'RedisTier raw: {op}'):.2f}x of its own figure above.")
     return lines
 
 

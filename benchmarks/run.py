@@ -36,7 +36,7 @@ from benchmarks.data import (
     normal_dense,
     paged_like,
 )
-from benchmarks.report import side_section
+from benchmarks.report import BUSY_FIELD, busy_section, side_section
 from benchmarks.server import LocalRedis
 from benchmarks.timing import Results, Row
 from lmcache_remote import DenseKV, KVView
@@ -92,7 +92,7 @@ def run(sizes: Sizes, out: Path | None, command: str, save: Path | None = None,
         _limits(res, server, chunks, nbytes, reps)
         for i, (set_shape, set_count) in enumerate(sizes.sets):
             _side_by_side(res, server, set_shape, set_count, reps, env,
-                          CODECS if i == 0 else ("raw",))
+                          CODECS if i == 0 else ("raw",), busy=i == len(sizes.sets) - 1)
         # The engine rows copy out of (and into) vLLM's paged layout, as the product does.
         kv = paged_like(dense, shape, num_tokens, seed=11)
         dest = paged_like(empty_dense(shape, num_tokens), shape, num_tokens, seed=12)
@@ -154,10 +154,13 @@ def _limits(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes
 
 
 def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, reps: int,
-                  env: lmcache_rows.SideEnv | None, codecs: Sequence[str]) -> None:
+                  env: lmcache_rows.SideEnv | None, codecs: Sequence[str],
+                  busy: bool = False) -> None:
     """One duel over ``count`` chunks of ``shape``: the plain socket, the real LMCache (when
     ``env``), the tier and the engine per codec; then Redis's bytes per KV byte for the tier
-    and each LMCache variant (`MEMORY USAGE` of every key a put wrote)."""
+    and each LMCache variant (`MEMORY USAGE` of every key a put wrote). With ``busy``, a
+    second duel of LMCache's ``redis://`` and ``resp://``, the tier and the engine (raw), each
+    with a spinning Python thread in its own process (`busy_section`)."""
     num_tokens = count * CHUNK
     dense = normal_dense(shape, num_tokens)
     chunks = [chunk_tensor(dense, shape, i) for i in range(count)]
@@ -184,8 +187,10 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, re
     }
     sec = side_section(shape, count)
     memory_of = [c for c in field if c.name.startswith("LMCache") or c.name == "RedisTier raw"]
+    busy_field = [c for c in field if c.name in BUSY_FIELD]
+    keep = busy_field + [c for c in memory_of if c not in busy_field] if busy else memory_of
     try:
-        result = contenders.duel(field, reps, server.settle, keep_open=memory_of)
+        result = contenders.duel(field, reps, server.settle, keep_open=keep)
         for name, (t_put, t_get) in result.items():
             if name.startswith("engine"):
                 put_note, get_note = ("synchronous store, copy out of vLLM's paged layout "
@@ -201,8 +206,17 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, re
             res.add(sec, f"{c.name}: Redis memory / KV byte",
                     contenders.redis_bytes(server, c, nbytes), "ratio",
                     "MEMORY USAGE of every key written, keys included")
+        if busy:
+            result = contenders.duel(busy_field, reps, server.settle, keep_open=busy_field,
+                                     busy=True)
+            for name, (t_put, t_get) in result.items():
+                note = "a spinning Python thread in its own process"
+                res.add(busy_section(shape, count), f"{name}: store", gbps(nbytes, t_put),
+                        "GB/s", note)
+                res.add(busy_section(shape, count), f"{name}: retrieve", gbps(nbytes, t_get),
+                        "GB/s", note)
     finally:
-        for c in memory_of:
+        for c in keep:
             c.close()
         source.release()
         if data is not None:
