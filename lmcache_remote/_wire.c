@@ -1,18 +1,23 @@
-/* The native receive loop of the bulk data path (lmcache_remote.storage.wire).
+/* The native loop of the bulk data path (lmcache_remote.storage.wire), and the row copier
+ * of connectors.PagedKV (copy_rows).
  *
  * One function, run_batch(), does what wire._Reader and BulkPipeline._run do for a batch of
- * small commands (the GETs of a read, the EXISTS of a lookup: each already packed as bytes):
- * it sends them as the replies come in (at most `inflight` reply bytes asked for and unread)
- * and parses every RESP reply, receiving each bulk string straight into its destination:
- * what a Python sink returns for it, or its place in a list given up front.
+ * commands (each packed as bytes, or as a list of buffers whose big values are views of the
+ * caller's memory): it sends them, as the replies come in when the replies are big (at most
+ * `inflight` reply bytes asked for and unread), and parses every RESP reply, receiving each
+ * bulk string straight into its destination: its place in a list given up front, what a
+ * Python sink returns for it, or fresh memory.
  * The payload of a bulk reply is read with readv() into its destination and a small tail of
  * the receive buffer at once, so a reply costs about one system call and no second copy.
- * With a callable sink the GIL is released around every system call and copy. With a list
- * of places the whole batch runs without it and takes it only for a reply that does not fit
- * its place: a read on one connection then never waits for Python work on other threads
- * (decoding the previous window, another lane), which with the GIL given back and taken
- * again per system call it did. Semantics are those of the Python reader (wire.py), which
- * stays the fallback and the reference: the tests run both.
+ * With no sink or a list of places the whole batch runs without the GIL: replies that do
+ * not land in a place are kept in C memory and made into Python objects at the end, and the
+ * GIL is taken back only for that, an error or a signal. A read then never waits for Python
+ * work on other threads (decoding the previous window, another lane, the engine's own
+ * threads), where giving the GIL back and taking it again per system call waited up to the
+ * switch interval (5 ms) each time another thread was busy. With a callable sink (called per
+ * bulk reply) the GIL is released around every system call instead. Semantics are those of
+ * the Python reader (wire.py), which stays the fallback and the reference: the tests run
+ * both.
  *
  * Errors: a timeout raises TimeoutError, a closed connection ConnectionResetError, a reply
  * this reader does not understand ValueError (wire.py maps them to redis-py's errors and
@@ -36,6 +41,7 @@
 #define TAIL_MAX (16 * 1024)   /* buffer bytes a payload read may also fill */
 #define LINE_MAX_BYTES (64 * 1024)
 #define MAX_IOV 64
+#define SEND_IOV 1024          /* buffers per sendmsg (Linux's IOV_MAX) */
 #define MAX_DESTS 16
 #define LOWAT_MAX (512 * 1024) /* the most SO_RCVLOWAT is raised to */
 
@@ -465,15 +471,19 @@ static PyObject *read_reply(reader_t *r, Py_ssize_t index, PyObject *sink, PyObj
     return reply_from_line(r, index, line, len, sink, make_error);
 }
 
-/* Sends every byte of commands[from:to] (each packed command's bytes, as taken from the
- * bytes objects with the GIL), with waits and EINTR handling. */
-static int send_commands(reader_t *r, const struct iovec *commands, Py_ssize_t from,
-                         Py_ssize_t to) {
-    while (from < to) {
-        struct iovec iov[MAX_IOV];
+/* Sends every byte of commands[from:to], with waits and EINTR handling: command k is the
+ * buffers iovs[first[k] .. first[k + 1]) (taken from the Python objects with the GIL), sent
+ * SEND_IOV buffers per sendmsg. */
+static int send_commands(reader_t *r, const struct iovec *iovs, const Py_ssize_t *first,
+                         Py_ssize_t from, Py_ssize_t to) {
+    Py_ssize_t at = first[from], stop = first[to];
+    while (at < stop) {
+        struct iovec iov[SEND_IOV];
         int cnt = 0;
-        for (Py_ssize_t k = from; k < to && cnt < MAX_IOV; k++) {
-            iov[cnt++] = commands[k];
+        for (; at < stop && cnt < SEND_IOV; at++) {
+            if (iovs[at].iov_len > 0) {
+                iov[cnt++] = iovs[at];
+            }
         }
         int idx = 0;
         while (idx < cnt) {
@@ -492,7 +502,6 @@ static int send_commands(reader_t *r, const struct iovec *commands, Py_ssize_t f
                 }
             }
         }
-        from += cnt;
     }
     return 0;
 }
@@ -572,6 +581,135 @@ static PyObject *place_reply(PyObject *place) {
     return reply;
 }
 
+/* A reply received without the GIL, made into its Python object at the end. */
+typedef struct {
+    char kind;       /* 'P' in its place, 'B' bulk (data), 'N' nil, 'I' integer, 'S' status,
+                      * 'E' error (data: its text), 0 not received */
+    long long value; /* 'I' */
+    char *data;      /* 'B', 'S', 'E': PyMem_RawMalloc'd, len bytes */
+    Py_ssize_t len;
+} record_t;
+
+static void records_free(record_t *recs, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; recs != NULL && i < count; i++) {
+        PyMem_RawFree(recs[i].data);
+    }
+    PyMem_Free(recs);
+}
+
+/* Copies a line's text into a record (no GIL needed); -1 with the GIL and an error. */
+static int record_text(reader_t *r, record_t *rec, char kind, const char *text, Py_ssize_t len) {
+    rec->data = PyMem_RawMalloc((size_t)(len ? len : 1));
+    if (rec->data == NULL) {
+        gil_take(r);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(rec->data, text, (size_t)len);
+    rec->len = len;
+    rec->kind = kind;
+    return 0;
+}
+
+/* One reply, without the GIL, into `rec`: a bulk reply whose length is its place's total
+ * lands there; any other is kept in C memory until the end. -1 with the GIL and an error. */
+static int receive_record(reader_t *r, record_t *rec, places_t *places, Py_ssize_t i) {
+    const char *line;
+    Py_ssize_t len;
+    long long value;
+    if (read_line(r, &line, &len) < 0) {
+        return -1;
+    }
+    if (len < 1) {
+        return fail(r, PyExc_ValueError, "protocol error: empty reply line");
+    }
+    switch (line[0]) {
+    case '$':
+        if (parse_int(line + 1, len - 1, &value) < 0) {
+            return fail(r, PyExc_ValueError, "protocol error: bad bulk length");
+        }
+        if (value < 0) {
+            rec->kind = 'N';
+            return 0;
+        }
+        if (places->n != NULL && places->n[i] > 0 && value == places->total[i]) {
+            if (read_payload(r, places->views + places->first[i], places->n[i]) < 0) {
+                return -1;
+            }
+            rec->kind = 'P';
+            return 0;
+        }
+        if (value > PY_SSIZE_T_MAX / 2) {
+            return fail(r, PyExc_ValueError, "protocol error: bulk length too large");
+        }
+        rec->data = PyMem_RawMalloc((size_t)(value ? value : 1));
+        if (rec->data == NULL) {
+            gil_take(r);
+            PyErr_NoMemory();
+            return -1;
+        }
+        rec->len = (Py_ssize_t)value;
+        Py_buffer into;
+        memset(&into, 0, sizeof(into));
+        into.buf = rec->data;
+        into.len = rec->len;
+        if (read_payload(r, &into, 1) < 0) {
+            return -1;
+        }
+        rec->kind = 'B';
+        return 0;
+    case ':':
+        if (parse_int(line + 1, len - 1, &value) < 0) {
+            return fail(r, PyExc_ValueError, "protocol error: bad integer reply");
+        }
+        rec->kind = 'I';
+        rec->value = value;
+        return 0;
+    case '+':
+        return record_text(r, rec, 'S', line + 1, len - 1);
+    case '-':
+        return record_text(r, rec, 'E', line + 1, len - 1);
+    case '_':
+        rec->kind = 'N';
+        return 0;
+    default: {
+        gil_take(r);
+        Py_ssize_t show = len < 20 ? len : 20;
+        PyObject *shown = PyBytes_FromStringAndSize(line, show);
+        if (shown != NULL) {
+            PyErr_Format(PyExc_ValueError, "protocol error: unexpected reply %R", shown);
+            Py_DECREF(shown);
+        }
+        return -1;
+    }
+    }
+}
+
+/* The Python object of a record (a new reference); needs the GIL. */
+static PyObject *record_object(record_t *rec, PyObject *place, PyObject *make_error) {
+    switch (rec->kind) {
+    case 'P':
+        return place_reply(place);
+    case 'B': {
+        PyObject *fresh = PyByteArray_FromStringAndSize(rec->data, rec->len);
+        if (fresh == NULL) {
+            return NULL;
+        }
+        PyObject *view = PyMemoryView_FromObject(fresh);
+        Py_DECREF(fresh);
+        return view;
+    }
+    case 'I':
+        return PyLong_FromLongLong(rec->value);
+    case 'S':
+        return PyBytes_FromStringAndSize(rec->data, rec->len);
+    case 'E':
+        return PyObject_CallFunction(make_error, "s#", rec->data, rec->len);
+    default:
+        Py_RETURN_NONE;
+    }
+}
+
 static PyObject *run_batch(PyObject *self, PyObject *args) {
     int fd;
     double timeout;
@@ -583,12 +721,17 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     }
     Py_ssize_t count = PyList_GET_SIZE(commands);
     size_t slots = (size_t)(count ? count : 1);
-    struct iovec *packed = PyMem_Malloc(sizeof(struct iovec) * slots);
+    /* A list sink or none: the whole batch runs without the GIL (records); a callable sink
+     * is called per bulk reply, with the GIL (read_reply). */
+    int free_running = sink == Py_None || PyList_Check(sink);
+    struct iovec *iovs = NULL;
+    Py_ssize_t *first = PyMem_Malloc(sizeof(Py_ssize_t) * (slots + 1));
+    Py_buffer *pieces = NULL; /* the buffers of commands given as lists */
+    Py_ssize_t npieces = 0, taken = 0;
     long long *want = NULL;
-    char *placed = NULL; /* per reply: received into its place (its object set at the end) */
+    record_t *recs = NULL;
     uint64_t *digest = NULL; /* per placed reply: XXH3-64 of its last buffer */
     places_t places;
-    int use_places = PyList_Check(sink);
     memset(&places, 0, sizeof(places));
     reader_t r;
     r.fd = fd;
@@ -597,17 +740,44 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     r.ts = NULL;
     r.buf = NULL;
     PyObject *out = NULL;
-    if (packed == NULL) {
+    if (first == NULL) {
         return PyErr_NoMemory();
+    }
+    first[0] = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *item = PyList_GET_ITEM(commands, k);
+        if (PyBytes_Check(item)) {
+            first[k + 1] = first[k] + 1;
+        } else if (PyList_Check(item)) {
+            first[k + 1] = first[k] + PyList_GET_SIZE(item);
+            npieces += PyList_GET_SIZE(item);
+        } else {
+            PyErr_SetString(PyExc_TypeError,
+                            "run_batch takes packed commands (bytes, or lists of buffers)");
+            goto fail;
+        }
+    }
+    iovs = PyMem_Malloc(sizeof(struct iovec) * (size_t)(first[count] ? first[count] : 1));
+    pieces = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(npieces ? npieces : 1));
+    if (iovs == NULL || pieces == NULL) {
+        PyErr_NoMemory();
+        goto fail;
     }
     for (Py_ssize_t k = 0; k < count; k++) {
         PyObject *item = PyList_GET_ITEM(commands, k);
-        if (!PyBytes_Check(item)) {
-            PyErr_SetString(PyExc_TypeError, "run_batch takes packed commands (bytes)");
-            goto fail;
+        if (PyBytes_Check(item)) {
+            iovs[first[k]].iov_base = PyBytes_AS_STRING(item);
+            iovs[first[k]].iov_len = (size_t)PyBytes_GET_SIZE(item);
+            continue;
         }
-        packed[k].iov_base = PyBytes_AS_STRING(item);
-        packed[k].iov_len = (size_t)PyBytes_GET_SIZE(item);
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(item); j++) {
+            if (PyObject_GetBuffer(PyList_GET_ITEM(item, j), &pieces[taken], PyBUF_SIMPLE) < 0) {
+                goto fail;
+            }
+            iovs[first[k] + j].iov_base = pieces[taken].buf;
+            iovs[first[k] + j].iov_len = (size_t)pieces[taken].len;
+            taken++;
+        }
     }
     if (sizes != Py_None) {
         if (!PyList_Check(sizes) || PyList_GET_SIZE(sizes) != count) {
@@ -630,16 +800,17 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "digests must be a list, one per command");
         goto fail;
     }
-    if (use_places) {
-        placed = PyMem_Calloc(slots, 1);
-        if (digests != Py_None && xxh3_64 != NULL) {
+    if (free_running) {
+        recs = PyMem_Calloc(slots, sizeof(record_t));
+        if (digests != Py_None && xxh3_64 != NULL && sink != Py_None) {
             digest = PyMem_Malloc(sizeof(uint64_t) * slots);
         }
-        if (placed == NULL || (digests != Py_None && xxh3_64 != NULL && digest == NULL)) {
+        if (recs == NULL || (digests != Py_None && xxh3_64 != NULL && sink != Py_None &&
+                             digest == NULL)) {
             PyErr_NoMemory();
             goto fail;
         }
-        if (places_take(&places, sink, count) < 0) {
+        if (sink != Py_None && places_take(&places, sink, count) < 0) {
             goto fail;
         }
     }
@@ -653,16 +824,15 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
         }
         goto fail;
     }
-    /* With a list sink every reply that fits its place is received without the GIL: the
-     * loop takes it only for a reply of another kind or size (an object to make), an error,
-     * or a signal. Other Python threads run meanwhile, and this loop never waits for them. */
-    if (use_places) {
+    /* Free running, the loop takes the GIL back only to raise (an error, a signal) and at
+     * the end: other Python threads run meanwhile, and this loop never waits for them. */
+    if (free_running) {
         gil_drop(&r);
     }
     Py_ssize_t sent = 0;
     long long outstanding = 0;
     if (want == NULL || inflight <= 0) {
-        if (send_commands(&r, packed, 0, count) < 0) {
+        if (send_commands(&r, iovs, first, 0, count) < 0) {
             goto fail;
         }
         sent = count;
@@ -675,41 +845,22 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
                 end++;
             }
             if (end > sent) {
-                if (send_commands(&r, packed, sent, end) < 0) {
+                if (send_commands(&r, iovs, first, sent, end) < 0) {
                     goto fail;
                 }
                 sent = end;
             }
         }
-        PyObject *reply;
-        if (use_places) {
-            const char *line;
-            Py_ssize_t len;
-            long long value;
-            if (read_line(&r, &line, &len) < 0) {
+        if (free_running) {
+            if (receive_record(&r, &recs[i], &places, i) < 0) {
                 goto fail;
             }
-            if (places.n[i] > 0 && len > 1 && line[0] == '$' &&
-                parse_int(line + 1, len - 1, &value) == 0 && value == places.total[i]) {
-                if (read_payload(&r, places.views + places.first[i], places.n[i]) < 0) {
-                    goto fail;
-                }
-                placed[i] = 1;
-                if (digest != NULL) { /* hashed while the bytes are still in the cache */
-                    Py_buffer *last = &places.views[places.first[i] + places.n[i] - 1];
-                    digest[i] = xxh3_64(last->buf, (size_t)last->len);
-                }
-            } else {
-                gil_take(&r);
-                reply = reply_from_line(&r, i, line, len, Py_None, make_error);
-                if (reply == NULL) {
-                    goto fail;
-                }
-                PyList_SET_ITEM(out, i, reply);
-                gil_drop(&r);
+            if (digest != NULL && recs[i].kind == 'P') { /* hashed while still in the cache */
+                Py_buffer *last = &places.views[places.first[i] + places.n[i] - 1];
+                digest[i] = xxh3_64(last->buf, (size_t)last->len);
             }
         } else {
-            reply = read_reply(&r, i, sink, make_error);
+            PyObject *reply = read_reply(&r, i, sink, make_error);
             if (reply == NULL) {
                 goto fail;
             }
@@ -724,36 +875,39 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "protocol error: unexpected bytes after the replies");
         goto fail;
     }
-    for (Py_ssize_t i = 0; use_places && i < count; i++) {
-        if (placed[i]) {
-            PyList_SET_ITEM(out, i, place_reply(PyList_GET_ITEM(sink, i)));
-            if (digest != NULL) {
-                PyObject *value = PyLong_FromUnsignedLongLong(digest[i]);
-                if (value == NULL || PyList_SetItem(digests, i, value) < 0) {
-                    goto fail;
-                }
+    for (Py_ssize_t i = 0; free_running && i < count; i++) {
+        PyObject *reply = record_object(&recs[i], sink == Py_None ? Py_None
+                                                  : PyList_GET_ITEM(sink, i), make_error);
+        if (reply == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(out, i, reply);
+        if (digest != NULL && recs[i].kind == 'P') {
+            PyObject *value = PyLong_FromUnsignedLongLong(digest[i]);
+            if (value == NULL || PyList_SetItem(digests, i, value) < 0) {
+                goto fail;
             }
         }
     }
     set_lowat(&r, 1); /* the connection goes back to redis-py as it came */
-    places_free(&places);
-    PyMem_Free(digest);
-    PyMem_Free(placed);
-    PyMem_Free(want);
-    PyMem_Free(packed);
-    PyMem_Free(r.buf);
-    return out;
+    goto done;
 fail:
     gil_take(&r);
     set_lowat(&r, 1);
+    Py_CLEAR(out);
+done:
+    for (Py_ssize_t k = 0; k < taken; k++) {
+        PyBuffer_Release(&pieces[k]);
+    }
     places_free(&places);
+    records_free(recs, count);
     PyMem_Free(digest);
-    PyMem_Free(placed);
     PyMem_Free(want);
-    PyMem_Free(packed);
+    PyMem_Free(pieces);
+    PyMem_Free(iovs);
+    PyMem_Free(first);
     PyMem_Free(r.buf);
-    Py_XDECREF(out);
-    return NULL;
+    return out;
 }
 
 static PyObject *address(PyObject *self, PyObject *obj) {

@@ -6,7 +6,7 @@ from typing import Any
 def run_batch(
     fd: int,
     timeout: float,
-    commands: list[bytes],
+    commands: list[Any],
     reply_sizes: list[int] | None,
     inflight: int,
     sink: Callable[[int, int], Any] | list[Any] | None,

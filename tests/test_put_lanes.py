@@ -126,6 +126,7 @@ def test_a_broken_connection_fails_its_window_alone_and_leaves_no_half_chunk(
         sock.shutdown(socket.SHUT_WR)
         cut.set()
 
+    writer.wire.native = False  # the stub cuts the Python path's send (test_wire cuts both)
     writer.wire._send = send  # type: ignore[method-assign]
     writer._write = write  # type: ignore[method-assign]
     flags = writer.put_each([s.key for s in specs], objs)  # other windows landed: no raise

@@ -618,6 +618,35 @@ def test_a_reply_not_understood_or_cut_off_is_a_connection_error(native: bool, r
         _scripted(native, script, commands)
 
 
+def test_a_write_cut_off_by_the_server_is_a_connection_error_and_sends_the_values_whole(
+        native: bool) -> None:
+    """Writes: each value goes out from the caller's buffer (several buffers for one value
+    joined on the wire), byte for byte; a server that closes in the middle of a write batch
+    is a ConnectionError, with either reader."""
+    value = os.urandom(300_000)
+    head, body = value[:1000], memoryview(value)[1000:]
+    commands: list[tuple[Any, ...]] = [("SET", "a", memoryview(value)), ("SET", "b", (head, body)),
+                                       ("SET", "c", b"small")]
+    wire = b"".join(b"".join(bytes(p) for p in pack(c)) for c in commands)
+
+    def script(sock: socket.socket) -> None:
+        got = bytearray()
+        while len(got) < len(wire):
+            data = sock.recv(65536)
+            assert data, "client closed early"
+            got += data
+        assert bytes(got) == wire
+        sock.sendall(b"+OK\r\n+OK\r\n+OK\r\n")
+
+    assert _scripted(native, script, commands) == [b"OK", b"OK", b"OK"]
+
+    def cut(sock: socket.socket) -> None:
+        sock.recv(1000)  # then the server end closes, a write half sent
+
+    with pytest.raises(redis.ConnectionError):
+        _scripted(native, cut, commands * 40)
+
+
 def test_bytes_after_the_last_reply_are_a_connection_error(native: bool) -> None:
     commands, packed = _gets(1)
 

@@ -31,13 +31,16 @@ Contract:
 - Only plain single-node `redis.Redis` clients qualify (`supports`); a cluster client keeps
   redis-py's pipeline. The executor is per connection pool, so a cluster could use one per node.
 
-Two readers speak this protocol. A batch of small commands only (the GETs of a read, the EXISTS
-of a lookup) runs in `lmcache_remote._wire` (lmcache_remote/_wire.c, built with the
-package) on a plain TCP or UNIX socket: sends and receives without the GIL, each bulk payload
-read by one ``readv`` into its destination and a small tail buffer, no copy through a receive
-buffer. Everything else (writes, TLS sockets, or where the extension was not built) runs in
-`_Reader`, the Python reference, with the same results and errors (tests/test_wire.py runs
-both). `NATIVE` says whether the native loop is used; ``LMCR_NATIVE_WIRE=0`` turns it off.
+Two readers speak this protocol. On a plain TCP or UNIX socket every batch (the GETs of a
+read, the EXISTS of a lookup, the SETs of a write) runs in `lmcache_remote._wire`
+(lmcache_remote/_wire.c, built with the package): values are sent as views by one `sendmsg`
+per 1024 buffers, each bulk payload is read by one ``readv`` into its destination and a small
+tail buffer, no copy through a receive buffer, and with no sink or a list of places the whole
+batch runs without the GIL, its replies made into Python objects at the end (a callable sink
+is called with the GIL, per bulk reply). TLS sockets, or a build without the extension, run
+in `_Reader`, the Python reference, with the same results and errors (tests/test_wire.py
+runs both). `NATIVE` says whether the native loop is used; ``LMCR_NATIVE_WIRE=0`` turns it
+off.
 """
 
 from __future__ import annotations
@@ -338,15 +341,13 @@ class BulkPipeline:
             conn.connect()
             sock = conn._sock
         if self.native and _native is not None and not isinstance(sock, ssl.SSLSocket):
-            packed = _packed(commands)
-            if packed is not None:
-                timeout = sock.gettimeout()
-                replies: list[Reply] = _native.run_batch(
-                    sock.fileno(), -1.0 if timeout is None else timeout, packed,
-                    None if reply_sizes is None else list(reply_sizes), inflight_bytes,
-                    sink if sink is None or callable(sink) else list(sink), _error,
-                    digests if DIGESTS else None)
-                return replies
+            timeout = sock.gettimeout()
+            replies: list[Reply] = _native.run_batch(
+                sock.fileno(), -1.0 if timeout is None else timeout, _packed(commands),
+                None if reply_sizes is None else list(reply_sizes), inflight_bytes,
+                sink if sink is None or callable(sink) else list(sink), _error,
+                digests if DIGESTS else None)
+            return replies
         reader = _Reader(sock)
         if reply_sizes is None or inflight_bytes <= 0:
             self._send(sock, commands)
@@ -420,15 +421,13 @@ def pack_command(args: Sequence[str | bytes | int]) -> bytes:
     return packed
 
 
-def _packed(commands: Sequence[Sequence[Any]]) -> list[bytes] | None:
-    """Every command as one packed `bytes`, or None when one carries a buffer or a big value
-    (a write: the Python path sends it without copying)."""
-    out = []
+def _packed(commands: Sequence[Sequence[Any]]) -> list[bytes | list[BytesLike]]:
+    """Every command for the native loop: one packed `bytes`, or, where it carries a buffer
+    or a big value (a write), the buffers `pack` makes (values as views, not copied)."""
+    out: list[bytes | list[BytesLike]] = []
     for args in commands:
         packed = args if isinstance(args, bytes) else _pack_small(args)
-        if packed is None:
-            return None
-        out.append(packed)
+        out.append(packed if packed is not None else pack(args))
     return out
 
 
