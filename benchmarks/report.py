@@ -187,7 +187,10 @@ def render(res: Results, sizes: Any, command: str, machine: dict[str, str], elap
         "client, `save_chunk_meta: False`). Its environment lives outside the checkout and is "
         "built once by `scripts/lmcache_env.sh` (torch==2.14.1 from local disk first, then "
         "lmcache from PyPI; hiredis in a folder of its own), which the run calls; "
-        "`--no-lmcache` leaves these rows out.",
+        "`--no-lmcache` leaves these rows out. The last set is run a second time beside a "
+        "busy Python thread (`beside a busy Python thread` rows): " + ", ".join(BUSY_FIELD)
+        + ", each with one thread spinning in its own process (`benchmarks/spinner.py`) and "
+        "none elsewhere.",
         "",
         "## Machine",
         "",
