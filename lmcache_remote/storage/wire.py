@@ -21,7 +21,8 @@ Contract:
   a fresh buffer. The native loop runs such a batch without the GIL from end to end, and
   with ``digests`` (a list, one None per command) it also stores the XXH3-64 of each place's
   last buffer as it fills it, while the bytes are still in the CPU cache; entries it leaves
-  None (the Python reader, a reply that did not fit, no libxxhash) are the caller's to hash.
+  None (the Python reader, a reply that did not fit, no XXH3 bound: `native.DIGESTS`) are
+  the caller's to hash.
 - Error replies (``-ERR``, ``-NOPERM``, ``-OOM``) do not stop the reading: every reply is read,
   so the connection stays in step, then the first error is raised as redis-py would raise it.
 - A socket timeout raises `redis.TimeoutError`, a lost connection or a reply this reader does
@@ -68,7 +69,7 @@ _CRLF = b"\r\n"
 _COALESCE = 64 * 1024  # values smaller than this are copied into the command buffer
 _RECV_CHUNK = 1024 * 1024
 _IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
-#: Whether `BulkPipeline` runs batches of small commands in the native loop by default.
+#: Whether `BulkPipeline` runs its batches in the native loop by default (not on TLS).
 NATIVE = _native is not None and os.environ.get("LMCR_NATIVE_WIRE", "1") != "0"
 
 
@@ -288,7 +289,7 @@ def _error(text: str) -> ResponseError:
 
 class BulkPipeline:
     """Runs batches of commands over one pooled connection each; thread-safe like the pool.
-    ``native`` (default `NATIVE`) picks the reader for batches of small commands."""
+    ``native`` (default `NATIVE`) picks the reader for its batches."""
 
     def __init__(self, client: redis.Redis, *, native: bool | None = None) -> None:
         self.pool = client.connection_pool
