@@ -19,6 +19,10 @@
  * the Python reader (wire.py), which stays the fallback and the reference: the tests run
  * both.
  *
+ * A write batch may carry seals: checksums that the loop computes and writes into a header
+ * of the command just before sending it (see seal_t), so that the data is hashed while the
+ * kernel's copy of it into the socket can still find it in the CPU cache.
+ *
  * Errors: a timeout raises TimeoutError, a closed connection ConnectionResetError, a reply
  * this reader does not understand ValueError (wire.py maps them to redis-py's errors and
  * disconnects the connection); an error reply (-ERR ...) becomes make_error(text) in the
@@ -471,39 +475,159 @@ static PyObject *read_reply(reader_t *r, Py_ssize_t index, PyObject *sink, PyObj
     return reply_from_line(r, index, line, len, sink, make_error);
 }
 
-/* Sends every byte of commands[from:to], with waits and EINTR handling: command k is the
- * buffers iovs[first[k] .. first[k + 1]) (taken from the Python objects with the GIL), sent
- * SEND_IOV buffers per sendmsg. */
-static int send_commands(reader_t *r, const struct iovec *iovs, const Py_ssize_t *first,
-                         Py_ssize_t from, Py_ssize_t to) {
-    Py_ssize_t at = first[from], stop = first[to];
-    while (at < stop) {
-        struct iovec iov[SEND_IOV];
-        int cnt = 0;
-        for (; at < stop && cnt < SEND_IOV; at++) {
-            if (iovs[at].iov_len > 0) {
-                iov[cnt++] = iovs[at];
-            }
+/* The seals of a write batch, taken up front: before command k's bytes go out, seal k
+ * (if any) writes the XXH3-64 of each source, little-endian, at its offset in dest (a header
+ * inside the command), then, when sum_at >= 0, the low 32 bits of the XXH3-64 of
+ * dest[0:sum_at] at sum_at. The sources are then hashed just before the kernel copies them
+ * into the socket, while they are still in the CPU cache, and without the GIL. */
+typedef struct {
+    Py_buffer dest;
+    Py_buffer *src;
+    Py_ssize_t *at;
+    Py_ssize_t n, sum_at;
+    int taken; /* dest held, src[0..n) held */
+} seal_t;
+
+#define SEAL_FLUSH (256 * 1024) /* a sealed command goes out once this much is waiting */
+
+static void put_le(unsigned char *p, uint64_t v, int width) {
+    for (int i = 0; i < width; i++) {
+        p[i] = (unsigned char)(v >> (8 * i));
+    }
+}
+
+static void seal_apply(const seal_t *s) {
+    unsigned char *d = s->dest.buf;
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        put_le(d + s->at[i], xxh3_64(s->src[i].buf, (size_t)s->src[i].len), 8);
+    }
+    if (s->sum_at >= 0) {
+        put_le(d + s->sum_at, xxh3_64(d, (size_t)s->sum_at) & 0xFFFFFFFFu, 4);
+    }
+}
+
+static void seals_free(seal_t *seals, Py_ssize_t count) {
+    for (Py_ssize_t k = 0; seals != NULL && k < count; k++) {
+        seal_t *s = &seals[k];
+        for (Py_ssize_t i = 0; i < s->n && i < s->taken - 1; i++) {
+            PyBuffer_Release(&s->src[i]);
         }
-        int idx = 0;
-        while (idx < cnt) {
-            Py_ssize_t n = socket_io(r, POLLOUT, iov + idx, cnt - idx);
-            if (n < 0) {
-                return -1;
-            }
-            while (n > 0 && idx < cnt) {
-                if ((size_t)n >= iov[idx].iov_len) {
-                    n -= (ssize_t)iov[idx].iov_len;
-                    idx++;
-                } else {
-                    iov[idx].iov_base = (char *)iov[idx].iov_base + n;
-                    iov[idx].iov_len -= (size_t)n;
-                    n = 0;
-                }
+        if (s->taken > 0) {
+            PyBuffer_Release(&s->dest);
+        }
+        PyMem_Free(s->src);
+        PyMem_Free(s->at);
+    }
+    PyMem_Free(seals);
+}
+
+/* One seal from (dest, sources, offsets, sum_at), every offset checked against dest. */
+static int seal_take(seal_t *s, PyObject *item) {
+    PyObject *dest, *sources, *offsets;
+    if (!PyTuple_Check(item) ||
+        !PyArg_ParseTuple(item, "OO!O!n", &dest, &PyList_Type, &sources, &PyList_Type,
+                          &offsets, &s->sum_at)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "a seal is (dest, sources, offsets, sum_at)");
+        }
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(sources);
+    if (PyList_GET_SIZE(offsets) != n) {
+        PyErr_SetString(PyExc_ValueError, "a seal needs one offset per source");
+        return -1;
+    }
+    if (PyObject_GetBuffer(dest, &s->dest, PyBUF_WRITABLE) < 0) {
+        return -1;
+    }
+    s->taken = 1;
+    s->src = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(n ? n : 1));
+    s->at = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    if (s->src == NULL || s->at == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->n = n;
+    if (s->sum_at < -1 || s->sum_at > s->dest.len - 4) {
+        PyErr_SetString(PyExc_ValueError, "a seal's checksum offset lies outside its buffer");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        s->at[i] = PyLong_AsSsize_t(PyList_GET_ITEM(offsets, i));
+        if (s->at[i] == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (s->at[i] < 0 || s->at[i] > s->dest.len - 8) {
+            PyErr_SetString(PyExc_ValueError, "a seal's offset lies outside its buffer");
+            return -1;
+        }
+        if (PyObject_GetBuffer(PyList_GET_ITEM(sources, i), &s->src[i], PyBUF_SIMPLE) < 0) {
+            return -1;
+        }
+        s->taken++;
+    }
+    return 0;
+}
+
+/* Every byte of iov[0..cnt), with waits and EINTR handling (iov is consumed). */
+static int send_all(reader_t *r, struct iovec *iov, int cnt) {
+    int idx = 0;
+    while (idx < cnt) {
+        Py_ssize_t n = socket_io(r, POLLOUT, iov + idx, cnt - idx);
+        if (n < 0) {
+            return -1;
+        }
+        while (n > 0 && idx < cnt) {
+            if ((size_t)n >= iov[idx].iov_len) {
+                n -= (ssize_t)iov[idx].iov_len;
+                idx++;
+            } else {
+                iov[idx].iov_base = (char *)iov[idx].iov_base + n;
+                iov[idx].iov_len -= (size_t)n;
+                n = 0;
             }
         }
     }
     return 0;
+}
+
+/* Sends every byte of commands[from:to]: command k is the buffers iovs[first[k] ..
+ * first[k + 1]) (taken from the Python objects with the GIL), sealed first when seals[k]
+ * is set, SEND_IOV buffers per sendmsg; a sealed command goes out with what is waiting once
+ * that reaches SEAL_FLUSH, so that what its seal hashed is still cached. */
+static int send_commands(reader_t *r, const struct iovec *iovs, const Py_ssize_t *first,
+                         const seal_t *seals, Py_ssize_t from, Py_ssize_t to) {
+    struct iovec iov[SEND_IOV];
+    int cnt = 0;
+    size_t waiting = 0;
+    for (Py_ssize_t k = from; k < to; k++) {
+        int sealed = seals != NULL && seals[k].taken > 0;
+        if (sealed) {
+            seal_apply(&seals[k]);
+        }
+        for (Py_ssize_t at = first[k]; at < first[k + 1]; at++) {
+            if (iovs[at].iov_len == 0) {
+                continue;
+            }
+            if (cnt == SEND_IOV) {
+                if (send_all(r, iov, cnt) < 0) {
+                    return -1;
+                }
+                cnt = 0;
+                waiting = 0;
+            }
+            iov[cnt++] = iovs[at];
+            waiting += iovs[at].iov_len;
+        }
+        if (sealed && waiting >= SEAL_FLUSH) {
+            if (send_all(r, iov, cnt) < 0) {
+                return -1;
+            }
+            cnt = 0;
+            waiting = 0;
+        }
+    }
+    return send_all(r, iov, cnt);
 }
 
 /* The destinations of a list sink, taken up front: the buffers of place i are
@@ -713,10 +837,10 @@ static PyObject *record_object(record_t *rec, PyObject *place, PyObject *make_er
 static PyObject *run_batch(PyObject *self, PyObject *args) {
     int fd;
     double timeout;
-    PyObject *commands, *sizes, *sink, *make_error, *digests = Py_None;
+    PyObject *commands, *sizes, *sink, *make_error, *digests = Py_None, *seal_list = Py_None;
     Py_ssize_t inflight;
-    if (!PyArg_ParseTuple(args, "idO!OnOO|O", &fd, &timeout, &PyList_Type, &commands, &sizes,
-                          &inflight, &sink, &make_error, &digests)) {
+    if (!PyArg_ParseTuple(args, "idO!OnOO|OO", &fd, &timeout, &PyList_Type, &commands, &sizes,
+                          &inflight, &sink, &make_error, &digests, &seal_list)) {
         return NULL;
     }
     Py_ssize_t count = PyList_GET_SIZE(commands);
@@ -731,6 +855,7 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     long long *want = NULL;
     record_t *recs = NULL;
     uint64_t *digest = NULL; /* per placed reply: XXH3-64 of its last buffer */
+    seal_t *seals = NULL;    /* per command, or NULL: no seals */
     places_t places;
     memset(&places, 0, sizeof(places));
     reader_t r;
@@ -796,6 +921,27 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
             }
         }
     }
+    if (seal_list != Py_None) {
+        if (!PyList_Check(seal_list) || PyList_GET_SIZE(seal_list) != count) {
+            PyErr_SetString(PyExc_ValueError, "seals must be a list, one per command");
+            goto fail;
+        }
+        if (xxh3_64 == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "seals need XXH3 bound (bind_xxh3)");
+            goto fail;
+        }
+        seals = PyMem_Calloc(slots, sizeof(seal_t));
+        if (seals == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        for (Py_ssize_t k = 0; k < count; k++) {
+            PyObject *item = PyList_GET_ITEM(seal_list, k);
+            if (item != Py_None && seal_take(&seals[k], item) < 0) {
+                goto fail;
+            }
+        }
+    }
     if (digests != Py_None && (!PyList_Check(digests) || PyList_GET_SIZE(digests) != count)) {
         PyErr_SetString(PyExc_ValueError, "digests must be a list, one per command");
         goto fail;
@@ -832,7 +978,7 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     Py_ssize_t sent = 0;
     long long outstanding = 0;
     if (want == NULL || inflight <= 0) {
-        if (send_commands(&r, iovs, first, 0, count) < 0) {
+        if (send_commands(&r, iovs, first, seals, 0, count) < 0) {
             goto fail;
         }
         sent = count;
@@ -845,7 +991,7 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
                 end++;
             }
             if (end > sent) {
-                if (send_commands(&r, iovs, first, sent, end) < 0) {
+                if (send_commands(&r, iovs, first, seals, sent, end) < 0) {
                     goto fail;
                 }
                 sent = end;
@@ -900,6 +1046,7 @@ done:
         PyBuffer_Release(&pieces[k]);
     }
     places_free(&places);
+    seals_free(seals, count);
     records_free(recs, count);
     PyMem_Free(digest);
     PyMem_Free(want);
@@ -1056,13 +1203,17 @@ static PyMethodDef methods[] = {
     {"address", address, METH_O,
      "address(buffer) -> int\n\nWhere a contiguous buffer's memory starts."},
     {"run_batch", run_batch, METH_VARARGS,
-     "run_batch(fd, timeout, commands, reply_sizes, inflight, sink, make_error) -> replies\n\n"
+     "run_batch(fd, timeout, commands, reply_sizes, inflight, sink, make_error, digests=None,\n"
+     "seals=None) -> replies\n\n"
      "Sends the packed commands (all at once, or as replies come in when reply_sizes is a\n"
      "list and inflight > 0) and reads one reply per command. sink: None, a callable\n"
      "(index, length) -> destination, or a list of one place (destination or None) per\n"
      "command. digests: None, or a list (one item per command) where each reply received\n"
      "into its place gets the XXH3-64 of its place's last buffer (once bind_xxh3 found\n"
-     "it); see lmcache_remote/_wire.c."},
+     "it). seals: None, or a list (one item per command) of None or (dest, sources, offsets,\n"
+     "sum_at): before the command is sent, the XXH3-64 of each source is written at its\n"
+     "offset in dest, then the low 32 bits of dest[:sum_at]'s at sum_at (if >= 0); see\n"
+     "lmcache_remote/_wire.c."},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(jobs, gather) -> None\n\nRow copies between a paged cache and chunks, every\n"
      "job (cache_addr, cache_rows, chunk_addr, row_bytes, int64 index) without the GIL; see\n"

@@ -12,6 +12,7 @@ def run_batch(
     sink: Callable[[int, int], Any] | list[Any] | None,
     make_error: Callable[[str], Exception],
     digests: list[int | None] | None = None,
+    seals: list[Any] | None = None,
 ) -> list[Any]: ...
 
 def copy_rows(jobs: list[tuple[int, int, int, int, Any]], gather: bool) -> None: ...

@@ -249,11 +249,15 @@ class Serde:
         return [b"".join((header, parts[0])), *parts[1:]]
 
     def encode_parts(
-        self, tensor: torch.Tensor | TensorHolder, chunk_hash: bytes, num_tokens: int
-    ) -> tuple[bytes, list[BytesLike]]:
+        self, tensor: torch.Tensor | TensorHolder, chunk_hash: bytes, num_tokens: int,
+        *, sealed: bool = True,
+    ) -> tuple[bytes | bytearray, list[BytesLike]]:
         """`encode` without joining the header to part 0 (which copies part 0): the header and
         the stored parts; value 0 is ``header + parts[0]``, value i is ``parts[i]``. A
-        `MemoryObj` may stand for its tensor: its kept byte view is used (no torch call)."""
+        `MemoryObj` may stand for its tensor: its kept byte view is used (no torch call).
+        With ``sealed=False`` nothing is hashed: the header comes back as a `bytearray` with
+        its checksums zero, and is valid only once `header_seal`'s seal has been applied
+        (by the wire as it sends the value, `wire.apply_seal` otherwise)."""
         raw_of = getattr(tensor, "raw_view", None)
         if not isinstance(tensor, torch.Tensor):
             tensor = tensor.tensor
@@ -268,7 +272,8 @@ class Serde:
         size = self.part_size_for(len(raw))
         segments = [raw[i * size : (i + 1) * size] for i in range(self.part_count(len(raw)))]
         itemsize = tensor.dtype.itemsize
-        stored = self._map(self.codec, lambda seg: self._encode_part(seg, itemsize), segments)
+        stored = self._map(self.codec, lambda seg: self._encode_part(seg, itemsize, sealed),
+                           segments)
         header = bytearray(header_nbytes(len(segments)))
         HEADER_FIXED.pack_into(
             header, 0, MAGIC, FORMAT_VERSION, self.codec.codec_id, DTYPE_CODES[tensor.dtype],
@@ -278,13 +283,16 @@ class Serde:
         for i, (data, checksum) in enumerate(stored):
             offset = HEADER_FIXED.size + i * PART_ENTRY.size
             PART_ENTRY.pack_into(header, offset, len(data), checksum)
+        if not sealed:
+            return header, [data for data, _ in stored]
         end = len(header) - HEADER_CHECKSUM.size
         HEADER_CHECKSUM.pack_into(header, end, _header_checksum(memoryview(header)[:end]))
         return bytes(header), [data for data, _ in stored]
 
-    def _encode_part(self, segment: memoryview, itemsize: int) -> tuple[BytesLike, int]:
+    def _encode_part(self, segment: memoryview, itemsize: int, sealed: bool = True
+                     ) -> tuple[BytesLike, int]:
         data = self.codec.encode(segment, itemsize)
-        return data, checksum(data)
+        return data, checksum(data) if sealed else 0
 
     # --- decode ---------------------------------------------------------------------------
 
@@ -394,6 +402,14 @@ class Serde:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lmcr-serde")
             pool = self._pool
         return list(pool.map(fn, items))
+
+
+def header_seal(header: bytearray, parts: Sequence[BytesLike]
+                ) -> tuple[bytearray, list[BytesLike], list[int], int]:
+    """What fills in the checksums of a header `Serde.encode_parts` left unsealed, as a
+    `wire.Seal`: each part's XXH3-64 in its part entry, then the header's own checksum."""
+    offsets = [HEADER_FIXED.size + i * PART_ENTRY.size + 8 for i in range(len(parts))]
+    return header, list(parts), offsets, len(header) - HEADER_CHECKSUM.size
 
 
 def checksum(data: Any) -> int:

@@ -108,8 +108,8 @@ def test_a_broken_connection_fails_its_window_alone_and_leaves_no_half_chunk(
     cut, others_done = threading.Event(), threading.Event()
     answered = []
 
-    def write(batch: Any) -> list[bool]:
-        n = honest_write(batch)
+    def write(batch: Any, seals: Any = None) -> list[bool]:
+        n = honest_write(batch, seals)
         answered.append(n)
         if len(answered) == N_CHUNKS // PER_WINDOW - 1:
             others_done.set()

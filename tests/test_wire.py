@@ -405,6 +405,84 @@ def test_a_value_given_as_several_buffers_is_one_value(redis_url: str, key_prefi
     client.close()
 
 
+def test_a_seal_fills_in_checksums_as_its_command_is_sent(redis_url: str, key_prefix: str,
+                                                         native: bool) -> None:
+    """A seal writes each source's XXH3-64 at its offset in a header sent as its own buffer,
+    then the low 32 bits of the header's own XXH3 at ``sum_at``; what Redis stores is the
+    sealed header, byte for byte, on both readers. Commands without a seal go out as given."""
+    import xxhash
+
+    client = _client(redis_url)
+    wire = BulkPipeline(client, native=native)
+    bodies = [bytes(range(256)) * 1000, b"tail" * 1111]  # one sent as a view, one coalesced
+    headers = [bytearray(b"H" * 8 + bytes(16) + b"M" * 4 + bytes(4)) for _ in range(3)]
+    commands: list[Any] = [
+        ("MSET", f"{key_prefix}:s0", (headers[0], memoryview(bodies[0])),
+         f"{key_prefix}:s1", bodies[1]),
+        ("SET", f"{key_prefix}:plain", b"as given"),
+        ("SET", f"{key_prefix}:s2", (headers[1], bodies[1])),
+        ("SET", f"{key_prefix}:s3", headers[2]),
+    ]
+    seals: list[Any] = [(headers[0], [memoryview(bodies[0]), bodies[1]], [8, 16], 28), None,
+                        (headers[1], [bodies[1]], [16], -1), (headers[2], [], [], 28)]
+    assert wire.execute(commands, seals=seals) == [b"OK"] * 4
+
+    def sealed(header: bytes, digests: dict[int, bytes], sum_at: int) -> bytes:
+        out = bytearray(header)
+        for at, data in digests.items():
+            out[at:at + 8] = xxhash.xxh3_64_intdigest(data).to_bytes(8, "little")
+        if sum_at >= 0:
+            out[sum_at:sum_at + 4] = (xxhash.xxh3_64_intdigest(bytes(out[:sum_at]))
+                                      & 0xFFFFFFFF).to_bytes(4, "little")
+        return bytes(out)
+
+    blank = b"H" * 8 + bytes(16) + b"M" * 4 + bytes(4)
+    want0 = sealed(blank, {8: bodies[0], 16: bodies[1]}, 28)
+    want2 = sealed(blank, {16: bodies[1]}, -1)
+    assert want0 != blank and bytes(headers[0]) == want0
+    assert client.get(f"{key_prefix}:s0") == want0 + bodies[0]
+    assert client.get(f"{key_prefix}:s1") == bodies[1]
+    assert client.get(f"{key_prefix}:plain") == b"as given"
+    assert client.get(f"{key_prefix}:s2") == want2 + bodies[1]
+    assert client.get(f"{key_prefix}:s3") == sealed(blank, {}, 28)
+    client.close()
+
+
+@pytest.mark.parametrize("seal", [
+    (bytearray(16), [b"x"], [9], -1), (bytearray(16), [b"x"], [-1], -1),
+    (bytearray(16), [], [], 13), (bytearray(16), [b"x", b"y"], [0], -1),
+], ids=["offset-past-end", "negative-offset", "sum-past-end", "offsets-short"])
+def test_a_seal_outside_its_buffer_is_refused_before_anything_is_sent(
+    redis_url: str, key_prefix: str, native: bool, seal: Any
+) -> None:
+    client = _client(redis_url)
+    wire = BulkPipeline(client, native=native)
+    with pytest.raises(ValueError):
+        wire.execute([("SET", f"{key_prefix}:never", (seal[0], b"body"))], seals=[seal])
+    assert seal[0] == bytearray(16) and client.exists(f"{key_prefix}:never") == 0
+    assert wire.execute([("PING",)]) == [b"PONG"]  # the pool's connections still work
+    client.close()
+
+
+def test_the_tiers_sealed_writes_store_exactly_what_serde_encodes(
+    redis_url: str, key_prefix: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`RedisTier.put` leaves a chunk's checksums to the wire's seals; every value it stores
+    is byte for byte the one `Serde.encode` makes with its checksums computed up front."""
+    monkeypatch.setattr(wire_mod, "NATIVE", native)
+    tier, specs, objs = _stored_chunks(redis_url, key_prefix, 2, 32, remote_part_size=96 * 1024)
+    client = redis.Redis.from_url(redis_url)
+    for spec, obj in zip(specs, objs, strict=True):
+        want = tier.serde.encode(obj, spec.key.hash_bytes, spec.num_tokens)
+        keys = tier._keys(spec)
+        assert len(keys) == len(want) >= 2
+        assert [client.get(k) for k in keys] == [bytes(v) for v in want]
+    for obj in objs:
+        obj.release()  # type: ignore[union-attr]
+    client.close()
+    tier.close()
+
+
 def test_a_raw_get_on_the_native_loop_checks_its_loops_digests(
     redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -58,6 +58,7 @@ from lmcache_remote.serde import (
     Serde,
     ValueHeader,
     header_nbytes,
+    header_seal,
 )
 from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage.base import StorageTier
@@ -73,7 +74,14 @@ from lmcache_remote.storage.redis_commands import (
     regroup,
     value_nbytes,
 )
-from lmcache_remote.storage.wire import ArenaPool, BulkPipeline, Reply, pack_command, supports
+from lmcache_remote.storage.wire import (
+    ArenaPool,
+    BulkPipeline,
+    Reply,
+    Seal,
+    pack_command,
+    supports,
+)
 
 logger = logging.getLogger(__name__)
 #: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
@@ -308,18 +316,24 @@ class RedisTier(StorageTier):
 
     def _encode_and_write(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]
                           ) -> list[bool]:
-        """Encodes one window of chunks and writes it in one pipelined batch."""
+        """Encodes one window of chunks and writes it in one pipelined batch. Over the wire
+        the checksums are left to the wire (a seal per chunk), which computes them as it
+        sends each chunk, so that the kernel's copy finds the bytes still in the CPU cache."""
         batch: list[tuple[list[str], list[Any]]] = []
+        seals: list[Seal | None] | None = [] if self.wire is not None else None
         for key, obj in pairs:
             num_tokens = obj.tensor.shape[2]
             values: list[Any]
-            if self.wire is not None:  # value 0 as (header, part 0): no copy of part 0
-                header, parts = self.serde.encode_parts(obj, key.hash_bytes, num_tokens)
+            if seals is not None:  # value 0 as (header, part 0): no copy of part 0
+                header, parts = self.serde.encode_parts(obj, key.hash_bytes, num_tokens,
+                                                        sealed=False)
+                assert isinstance(header, bytearray)
                 values = [(header, parts[0]), *parts[1:]]
+                seals.append(header_seal(header, parts))
             else:
                 values = list(self.serde.encode(obj, key.hash_bytes, num_tokens))
             batch.append((key.part_keys(self.prefix, len(values)), values))
-        return self._write(batch)
+        return self._write(batch, seals)
 
     def _lane_pool(self, name: str, lanes: int) -> ThreadPoolExecutor:
         """The thread pool ``name`` (``_writers`` or ``_readers``), started on first use."""
@@ -383,12 +397,13 @@ class RedisTier(StorageTier):
 
         return regroup(self.caller.call(op), key_lists)
 
-    def _write(self, batch: Sequence[tuple[list[str], list[Any]]]) -> list[bool]:
+    def _write(self, batch: Sequence[tuple[list[str], list[Any]]],
+               seals: Sequence[Seal | None] | None = None) -> list[bool]:
         """Write one window of chunks; per chunk, whether it landed (here all or none: a
-        failure raises)."""
+        failure raises). ``seals``: per chunk, the checksums the wire fills in as it sends."""
         def op() -> list[Any]:
             if self.wire is not None:
-                return self.wire.execute(self._write_commands(batch))
+                return self.wire.execute(self._write_commands(batch), seals=seals)
             pipe = self.client.pipeline(transaction=False)
             for keys, values in batch:
                 pipe.execute_command(*chunk_write_command(keys, values, self._ttl_ms))

@@ -23,6 +23,10 @@ Contract:
   last buffer as it fills it, while the bytes are still in the CPU cache; entries it leaves
   None (the Python reader, a reply that did not fit, no XXH3 bound: `native.DIGESTS`) are
   the caller's to hash.
+- ``seals`` (a list, one `Seal` or None per command) has the checksums of a write computed
+  as it is sent: the native loop hashes each command's sources just before the kernel copies
+  them into the socket (while they are still in the CPU cache, without the GIL); the Python
+  reader seals every command first. Either way ``dest`` holds the checksums after `execute`.
 - Error replies (``-ERR``, ``-NOPERM``, ``-OOM``) do not stop the reading: every reply is read,
   so the connection stays in step, then the first error is raised as redis-py would raise it.
 - A socket timeout raises `redis.TimeoutError`, a lost connection or a reply this reader does
@@ -54,6 +58,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import redis
+import xxhash
 from redis.exceptions import ResponseError
 
 from lmcache_remote.native import DIGESTS
@@ -64,6 +69,11 @@ Reply = bytes | memoryview | list[memoryview] | int | None | ResponseError
 Dest = memoryview | list[memoryview] | None
 #: Where bulk replies go: asked per reply, or one place per command given up front.
 Sink = Callable[[int, int], Dest] | Sequence[Dest]
+#: Checksums written into a command's buffer just before it is sent: (dest, sources, offsets,
+#: sum_at): the XXH3-64 of each source, little-endian, at its offset in ``dest`` (a writable
+#: buffer the command sends as is), then, when ``sum_at >= 0``, the low 32 bits of the XXH3-64
+#: of ``dest[:sum_at]`` at ``sum_at``.
+Seal = tuple[bytearray, list[Any], list[int], int]
 
 _CRLF = b"\r\n"
 _COALESCE = 64 * 1024  # values smaller than this are copied into the command buffer
@@ -134,7 +144,8 @@ class ArenaPool:
 def pack(args: Sequence[Any]) -> list[BytesLike]:
     """The RESP encoding of one command, as buffers to send; big values are not copied. An
     argument may be a tuple of buffers: one bulk string made of them, in order (a header and
-    a payload sent without joining them)."""
+    a payload sent without joining them). A `bytearray`, alone or in a tuple, is sent as
+    itself, never copied, so that a seal can still fill it."""
     out: list[BytesLike] = []
     small: list[bytes] = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -148,8 +159,8 @@ def pack(args: Sequence[Any]) -> list[BytesLike]:
         if isinstance(arg, tuple):  # one value given as several buffers, sent back to back
             views = [memoryview(a).cast("B") for a in arg]
             small.append(b"$%d\r\n" % sum(len(v) for v in views))
-            for view in views:
-                if len(view) < _COALESCE:
+            for piece, view in zip(arg, views, strict=True):
+                if len(view) < _COALESCE and not isinstance(piece, bytearray):
                     small.append(view.tobytes())
                 else:
                     out += (b"".join(small), view)
@@ -158,7 +169,7 @@ def pack(args: Sequence[Any]) -> list[BytesLike]:
             continue
         view = memoryview(arg).cast("B")
         small.append(b"$%d\r\n" % len(view))
-        if len(view) < _COALESCE:
+        if len(view) < _COALESCE and not isinstance(arg, bytearray):
             small += (view.tobytes(), _CRLF)
             continue
         out += (b"".join(small), view)
@@ -299,7 +310,8 @@ class BulkPipeline:
 
     def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None, *,
                 reply_sizes: Sequence[int] | None = None, inflight_bytes: int = 0,
-                digests: list[int | None] | None = None) -> list[Reply]:
+                digests: list[int | None] | None = None,
+                seals: Sequence[Seal | None] | None = None) -> list[Reply]:
         """Runs the batch. With ``reply_sizes`` (the expected size of each reply) and
         ``inflight_bytes``, commands are sent as the replies come in, so that the replies
         asked for and not yet read add up to at most ``inflight_bytes`` (at least one command
@@ -316,9 +328,16 @@ class BulkPipeline:
                 raise ValueError(f"{len(sink)} places for {len(commands)} commands")
         if digests is not None and len(digests) != len(commands):
             raise ValueError(f"{len(digests)} digest slots for {len(commands)} commands")
+        if seals is not None:
+            if len(seals) != len(commands):
+                raise ValueError(f"{len(seals)} seals for {len(commands)} commands")
+            for seal in seals:
+                if seal is not None:
+                    _check_seal(seal)
         conn = self.pool.get_connection()
         try:
-            replies = self._run(conn, commands, sink, reply_sizes, inflight_bytes, digests)
+            replies = self._run(conn, commands, sink, reply_sizes, inflight_bytes, digests,
+                                seals)
         except BaseException as exc:
             conn.disconnect()
             self.pool.release(conn)
@@ -336,18 +355,25 @@ class BulkPipeline:
 
     def _run(self, conn: Any, commands: Sequence[Sequence[Any]], sink: Sink | None,
              reply_sizes: Sequence[int] | None, inflight_bytes: int,
-             digests: list[int | None] | None = None) -> list[Reply]:
+             digests: list[int | None] | None = None,
+             seals: Sequence[Seal | None] | None = None) -> list[Reply]:
         sock = conn._sock
         if sock is None:
             conn.connect()
             sock = conn._sock
-        if self.native and _native is not None and not isinstance(sock, ssl.SSLSocket):
+        native = self.native and _native is not None and not isinstance(sock, ssl.SSLSocket)
+        if seals is not None and not (native and DIGESTS):
+            for seal in seals:  # no native XXH3 to seal as it sends: all of them first
+                if seal is not None:
+                    apply_seal(seal)
+            seals = None
+        if native:
             timeout = sock.gettimeout()
             replies: list[Reply] = _native.run_batch(
                 sock.fileno(), -1.0 if timeout is None else timeout, _packed(commands),
                 None if reply_sizes is None else list(reply_sizes), inflight_bytes,
                 sink if sink is None or callable(sink) else list(sink), _error,
-                digests if DIGESTS else None)
+                digests if DIGESTS else None, None if seals is None else list(seals))
             return replies
         reader = _Reader(sock)
         if reply_sizes is None or inflight_bytes <= 0:
@@ -392,6 +418,29 @@ class BulkPipeline:
         if pending:
             buffers.append(b"".join(pending))
         send_buffers(sock, buffers)
+
+
+def apply_seal(seal: Seal) -> None:
+    """What the native loop does for a `Seal` as it sends its command, done here in Python."""
+    dest, sources, offsets, sum_at = seal
+    for source, offset in zip(sources, offsets, strict=True):
+        dest[offset:offset + 8] = _xxh3(source).to_bytes(8, "little")
+    if sum_at >= 0:
+        dest[sum_at:sum_at + 4] = (_xxh3(memoryview(dest)[:sum_at]) & 0xFFFFFFFF).to_bytes(
+            4, "little")
+
+
+def _check_seal(seal: Seal) -> None:
+    dest, sources, offsets, sum_at = seal
+    if len(sources) != len(offsets):
+        raise ValueError(f"a seal with {len(sources)} sources and {len(offsets)} offsets")
+    size = len(memoryview(dest))
+    if any(not 0 <= at <= size - 8 for at in offsets) or not -1 <= sum_at <= size - 4:
+        raise ValueError(f"a seal's offsets {offsets}, {sum_at} lie outside its {size} bytes")
+
+
+def _xxh3(data: Any) -> int:
+    return _native.xxh3(data) if DIGESTS else xxhash.xxh3_64_intdigest(data)
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[BytesLike]) -> None:
