@@ -30,13 +30,14 @@ from lmcache_remote.storage.wire import pack
 LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)  # 8 KiB per 64-token chunk
 DB = TokenDatabase(KeyNamespace("lanes/model", 1, 0, "bfloat16"), 64, save_unfull_chunk=False)
 CHUNK_BYTES = LAYOUT.nbytes(64)
-PER_WINDOW = 4  # chunks per window with 4 lanes (see `small_windows`)
+PER_WINDOW = 4  # chunks per write window (see `small_windows`)
 N_CHUNKS = 16
 
 
 @pytest.fixture(autouse=True)
 def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_tier, "_WINDOW_BYTES", 4 * PER_WINDOW * CHUNK_BYTES)
+    monkeypatch.setattr(redis_tier, "_WINDOW_BYTES",
+                        redis_tier.WRITE_LANES * PER_WINDOW * CHUNK_BYTES)
 
 
 def make_chunks(pool: MemoryPool, seed: int) -> tuple[list[ChunkSpec], list[MemoryObj]]:
@@ -175,7 +176,7 @@ def test_encoded_bytes_in_flight_stay_within_the_budget(
 ) -> None:
     writer = make_tier(redis_url, key_prefix, pool, "lz4")
     tiers.append(writer)
-    budget = _RecordingBudget(2 * PER_WINDOW * CHUNK_BYTES)  # two windows' worth, of four lanes
+    budget = _RecordingBudget(2 * PER_WINDOW * CHUNK_BYTES)  # two windows' worth, of eight lanes
     writer._write_budget = budget
     specs, objs = make_chunks(pool, seed=3)
     assert writer.put([s.key for s in specs], objs) == N_CHUNKS
@@ -212,6 +213,7 @@ def test_a_get_over_several_connections_serves_the_prefix_and_frees_the_rest(
     tier = make_tier(redis_url, key_prefix, pool)
     tiers.append(tier)
     assert tier.read_lanes > 1
+    tier.read_lanes = redis_tier.WRITE_LANES  # read windows of PER_WINDOW chunks, as writes
     specs, objs = make_chunks(pool, seed=4)
     assert tier.put([s.key for s in specs], objs) == N_CHUNKS
     held = pool.used_bytes
