@@ -1,6 +1,7 @@
 """The optional C extension `lmcache_remote._wire` (lmcache_remote/_wire.c), imported in one
 place: `wire` is the module, or None where it was not built (no compiler at install), and its
 users (storage/wire.py's receive loop, serde's buffer addresses) then run their Python code.
+`xxh3` is the one XXH3-64 every Python caller uses (serde's checksums, the wire's seals).
 
 `DIGESTS` says whether the receive loop's checksums can stand in for serde's: the loop hashes
 with the `xxhash` package's own XXH3 (its extension's exported function, found by path), which
@@ -33,3 +34,13 @@ def _digests_agree() -> bool:
 
 
 DIGESTS = _digests_agree()
+
+
+def xxh3(data: object) -> int:
+    """XXH3-64 (seed 0) of a buffer's bytes: the bound native function where `DIGESTS` (it
+    keeps the GIL, about 20 us per MiB), else the xxhash package's (which gives the GIL up for
+    big inputs: with another busy Python thread in the process each such call waited up to
+    the 5 ms switch interval to get it back)."""
+    if DIGESTS:
+        return wire.xxh3(data)
+    return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]

@@ -36,14 +36,13 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
-import xxhash
 
 from lmcache_remote.codecs import CODECS as CODECS
 from lmcache_remote.codecs import CODECS_BY_ID, Codec, RawCodec
 from lmcache_remote.codecs import get_codec as get_codec
 from lmcache_remote.errors import CorruptEntryError, SerdeError
-from lmcache_remote.native import DIGESTS as _DIGESTS  # the C XXH3 is bound and agrees
 from lmcache_remote.native import wire as _native  # `address` of a buffer, cheaply (C)
+from lmcache_remote.native import xxh3 as _xxh3
 from lmcache_remote.sizing import plan_part_size
 
 BytesLike = bytes | bytearray | memoryview
@@ -257,7 +256,7 @@ class Serde:
         `MemoryObj` may stand for its tensor: its kept byte view is used (no torch call).
         With ``sealed=False`` nothing is hashed: the header comes back as a `bytearray` with
         its checksums zero, and is valid only once `header_seal`'s seal has been applied
-        (by the wire as it sends the value, `wire.apply_seal` otherwise)."""
+        (by the wire as it sends the value, `wire.apply_seals` otherwise)."""
         raw_of = getattr(tensor, "raw_view", None)
         if not isinstance(tensor, torch.Tensor):
             tensor = tensor.tensor
@@ -413,13 +412,9 @@ def header_seal(header: bytearray, parts: Sequence[BytesLike]
 
 
 def checksum(data: Any) -> int:
-    """XXH3-64 of a part's stored bytes. With the native module it is the xxhash package's
-    own function called without giving up the GIL (about 20 us per MiB): the package's
-    binding gives it up for big inputs, and with another busy Python thread in the process
-    each such call waited up to the 5 ms switch interval to get it back."""
-    if _DIGESTS:
-        return _native.xxh3(data)
-    return xxhash.xxh3_64_intdigest(data)
+    """XXH3-64 of a part's stored bytes (`native.xxh3`: without giving up the GIL where the
+    native module is bound)."""
+    return _xxh3(data)
 
 
 def _header_checksum(data: Any) -> int:

@@ -50,7 +50,7 @@ from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
 from lmcache_remote.storage.redis_tier import Allocator, RedisTier
-from lmcache_remote.storage.wire import BulkPipeline, Reply, Seal, Sink, apply_seal
+from lmcache_remote.storage.wire import BulkPipeline, Reply, Seal, Sink, apply_seals
 from lmcache_remote.urls import parse_remote_url
 
 logger = logging.getLogger(__name__)
@@ -201,9 +201,7 @@ class ClusterRedisTier(RedisTier):
                seals: Sequence[Seal | None] | None = None) -> list[bool]:
         """Per chunk, whether it landed: a node that failed loses only its own chunks. The
         cluster has no `wire` of its own, so its values come sealed (``seals`` is None)."""
-        for seal in seals or ():
-            if seal is not None:
-                apply_seal(seal)
+        apply_seals(seals or ())
         commands: list[Command] = []
         owner: list[int] = []  # the batch entry each command belongs to
         for i, (keys, values) in enumerate(batch):

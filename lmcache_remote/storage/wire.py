@@ -26,7 +26,8 @@ Contract:
 - ``seals`` (a list, one `Seal` or None per command) has the checksums of a write computed
   as it is sent: the native loop hashes each command's sources just before the kernel copies
   them into the socket (while they are still in the CPU cache, without the GIL); the Python
-  reader seals every command first. Either way ``dest`` holds the checksums after `execute`.
+  reader seals every command first (`apply_seals`). Either way ``dest`` holds the checksums
+  after `execute`.
 - Error replies (``-ERR``, ``-NOPERM``, ``-OOM``) do not stop the reading: every reply is read,
   so the connection stays in step, then the first error is raised as redis-py would raise it.
 - A socket timeout raises `redis.TimeoutError`, a lost connection or a reply this reader does
@@ -58,10 +59,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import redis
-import xxhash
 from redis.exceptions import ResponseError
 
-from lmcache_remote.native import DIGESTS
+from lmcache_remote.native import DIGESTS, xxh3
 from lmcache_remote.native import wire as _native  # the C loop, or None: Python does it all
 
 BytesLike = bytes | bytearray | memoryview
@@ -363,9 +363,7 @@ class BulkPipeline:
             sock = conn._sock
         native = self.native and _native is not None and not isinstance(sock, ssl.SSLSocket)
         if seals is not None and not (native and DIGESTS):
-            for seal in seals:  # no native XXH3 to seal as it sends: all of them first
-                if seal is not None:
-                    apply_seal(seal)
+            apply_seals(seals)  # no native XXH3 to seal as it sends: all of them first
             seals = None
         if native:
             timeout = sock.gettimeout()
@@ -420,14 +418,18 @@ class BulkPipeline:
         send_buffers(sock, buffers)
 
 
-def apply_seal(seal: Seal) -> None:
-    """What the native loop does for a `Seal` as it sends its command, done here in Python."""
-    dest, sources, offsets, sum_at = seal
-    for source, offset in zip(sources, offsets, strict=True):
-        dest[offset:offset + 8] = _xxh3(source).to_bytes(8, "little")
-    if sum_at >= 0:
-        dest[sum_at:sum_at + 4] = (_xxh3(memoryview(dest)[:sum_at]) & 0xFFFFFFFF).to_bytes(
-            4, "little")
+def apply_seals(seals: Sequence[Seal | None]) -> None:
+    """What the native loop does for each `Seal` as it sends its command, done here in Python
+    for all of them (None: no seal)."""
+    for seal in seals:
+        if seal is None:
+            continue
+        dest, sources, offsets, sum_at = seal
+        for source, offset in zip(sources, offsets, strict=True):
+            dest[offset:offset + 8] = xxh3(source).to_bytes(8, "little")
+        if sum_at >= 0:
+            dest[sum_at:sum_at + 4] = (xxh3(memoryview(dest)[:sum_at]) & 0xFFFFFFFF).to_bytes(
+                4, "little")
 
 
 def _check_seal(seal: Seal) -> None:
@@ -437,10 +439,6 @@ def _check_seal(seal: Seal) -> None:
     size = len(memoryview(dest))
     if any(not 0 <= at <= size - 8 for at in offsets) or not -1 <= sum_at <= size - 4:
         raise ValueError(f"a seal's offsets {offsets}, {sum_at} lie outside its {size} bytes")
-
-
-def _xxh3(data: Any) -> int:
-    return _native.xxh3(data) if DIGESTS else xxhash.xxh3_64_intdigest(data)
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[BytesLike]) -> None:
