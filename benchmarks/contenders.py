@@ -142,10 +142,11 @@ def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object
          ) -> dict[str, tuple[float, float]]:
     """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each;
     every contender is closed after, but those in ``keep_open``.
-    Every put starts on an empty server that has freed what the last contender wrote (its
-    ``clean``, then ``settle``, untimed): data left by one contender would change the server's
-    memory state, and so the speed, of the next. With ``busy`` each contender's put and get
-    run with a spinning Python thread in its own process (and none elsewhere)."""
+    Every put starts on an empty server that has freed what the last contender wrote and
+    handed its pages back (its ``clean``, then ``settle``, untimed): data left by one
+    contender would change the server's memory state, and so the speed, of the next. With
+    ``busy`` each contender's put and get run with a spinning Python thread in its own process
+    (and none elsewhere)."""
     times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in contenders}
     for c in contenders:
         c.clean()

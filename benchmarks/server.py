@@ -69,8 +69,13 @@ class LocalRedis:
         client.close()
 
     def settle(self, timeout: float = 30.0) -> None:
-        """Waits until Redis's background thread has freed every unlinked value: a timed
-        write must not share the CPU with the lazy free of the previous contender's data."""
+        """Waits until Redis's background thread has freed every unlinked value, then has
+        jemalloc hand the freed pages back (`MEMORY PURGE`): a timed write must not share the
+        CPU with the lazy free of the previous contender's data, nor write into the pages that
+        data left behind. Freed pages are reused without a page fault, so without the purge
+        a write ran faster or slower by what the contender before it had allocated (a 32 MiB
+        put by up to 40% in side runs, docs/benchmarks.md's reading); with it every timed
+        write starts from the same allocator state."""
         client = self.client()
         deadline = time.monotonic() + timeout
         try:
@@ -78,6 +83,7 @@ class LocalRedis:
                 if time.monotonic() > deadline:
                     raise TimeoutError("redis-server still freeing unlinked values")
                 time.sleep(0.002)
+            client.execute_command("MEMORY", "PURGE")
         finally:
             client.close()
 
