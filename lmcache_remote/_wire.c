@@ -19,9 +19,10 @@
  * the Python reader (wire.py), which stays the fallback and the reference: the tests run
  * both.
  *
- * A write batch may carry seals: checksums that the loop computes and writes into a header
- * of the command just before sending it (see seal_t), so that the data is hashed while the
- * kernel's copy of it into the socket can still find it in the CPU cache.
+ * A write batch may carry seals: checksums that the loop computes as it sends a command's
+ * parts and writes into the command's header before the header goes out (see seal_t), so
+ * that the data is hashed while the kernel's copy of it into the socket can still find it in
+ * the CPU cache.
  *
  * Errors: a timeout raises TimeoutError, a closed connection ConnectionResetError, a reply
  * this reader does not understand ValueError (wire.py maps them to redis-py's errors and
@@ -56,6 +57,19 @@
  * build it without the vector dispatch, and it ran 4-5x slower here. */
 typedef uint64_t (*xxh3_fn)(const void *data, size_t len);
 static xxh3_fn xxh3_64 = NULL;
+/* The same package's streaming XXH3-64 (the same digest, fed piece by piece): a seal hashes
+ * a big source one piece at a time, each piece just before it is sent (see send_commands).
+ * All NULL when the package lacks one of them: each source is then hashed whole. */
+typedef void *(*xxh3_new_fn)(void);
+typedef int (*xxh3_free_fn)(void *state);
+typedef int (*xxh3_reset_fn)(void *state);
+typedef int (*xxh3_update_fn)(void *state, const void *data, size_t len);
+typedef uint64_t (*xxh3_digest_fn)(const void *state);
+static xxh3_new_fn xxh3_new = NULL;
+static xxh3_free_fn xxh3_free = NULL;
+static xxh3_reset_fn xxh3_reset = NULL;
+static xxh3_update_fn xxh3_update = NULL;
+static xxh3_digest_fn xxh3_digest = NULL;
 
 typedef struct {
     int fd;
@@ -475,15 +489,18 @@ static PyObject *read_reply(reader_t *r, Py_ssize_t index, PyObject *sink, PyObj
     return reply_from_line(r, index, line, len, sink, make_error);
 }
 
-/* The seals of a write batch, taken up front: before command k's bytes go out, seal k
- * (if any) writes the XXH3-64 of each source, little-endian, at its offset in dest (a header
- * inside the command), then, when sum_at >= 0, the low 32 bits of the XXH3-64 of
- * dest[0:sum_at] at sum_at. The sources are then hashed just before the kernel copies them
- * into the socket, while they are still in the CPU cache, and without the GIL. */
+/* The seals of a write batch, taken up front: before dest's bytes go out, seal k (if any)
+ * writes the XXH3-64 of each source, little-endian, at its offset in dest (a header inside
+ * command k), then, when sum_at >= 0, the low 32 bits of the XXH3-64 of dest[0:sum_at] at
+ * sum_at. Each source is hashed as late as it can be, without the GIL: one that the command
+ * sends before dest (a part ahead of the header) piece by piece, each piece just before it
+ * goes out, so that the kernel's copy finds it still in the CPU cache; the others just
+ * before dest goes out (send_commands). */
 typedef struct {
     Py_buffer dest;
     Py_buffer *src;
     Py_ssize_t *at;
+    unsigned char *hashed; /* per source: its digest is in dest */
     Py_ssize_t n, sum_at;
     int taken; /* dest held, src[0..n) held */
 } seal_t;
@@ -496,14 +513,40 @@ static void put_le(unsigned char *p, uint64_t v, int width) {
     }
 }
 
-static void seal_apply(const seal_t *s) {
+/* Every digest not written yet, then the header's own checksum: dest is ready to go. */
+static void seal_apply(seal_t *s) {
     unsigned char *d = s->dest.buf;
     for (Py_ssize_t i = 0; i < s->n; i++) {
-        put_le(d + s->at[i], xxh3_64(s->src[i].buf, (size_t)s->src[i].len), 8);
+        if (!s->hashed[i]) {
+            put_le(d + s->at[i], xxh3_64(s->src[i].buf, (size_t)s->src[i].len), 8);
+            s->hashed[i] = 1;
+        }
     }
     if (s->sum_at >= 0) {
         put_le(d + s->sum_at, xxh3_64(d, (size_t)s->sum_at) & 0xFFFFFFFFu, 4);
     }
+}
+
+/* The source of s that is exactly the buffer v and is not hashed yet, or -1. */
+static Py_ssize_t seal_source(const seal_t *s, const struct iovec *v) {
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        if (!s->hashed[i] && s->src[i].buf == v->iov_base &&
+            (size_t)s->src[i].len == v->iov_len) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* Whether one of command's buffers is dest itself: only then can its sources go out before
+ * it is sealed (else seal_apply runs before any byte of the command is sent). */
+static int seal_sent_in(const seal_t *s, const struct iovec *iovs, Py_ssize_t count) {
+    for (Py_ssize_t at = 0; at < count; at++) {
+        if (iovs[at].iov_base == s->dest.buf && iovs[at].iov_len == (size_t)s->dest.len) {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 static void seals_free(seal_t *seals, Py_ssize_t count) {
@@ -517,6 +560,7 @@ static void seals_free(seal_t *seals, Py_ssize_t count) {
         }
         PyMem_Free(s->src);
         PyMem_Free(s->at);
+        PyMem_Free(s->hashed);
     }
     PyMem_Free(seals);
 }
@@ -543,7 +587,8 @@ static int seal_take(seal_t *s, PyObject *item) {
     s->taken = 1;
     s->src = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(n ? n : 1));
     s->at = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
-    if (s->src == NULL || s->at == NULL) {
+    s->hashed = PyMem_Calloc((size_t)(n ? n : 1), 1);
+    if (s->src == NULL || s->at == NULL || s->hashed == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -591,43 +636,110 @@ static int send_all(reader_t *r, struct iovec *iov, int cnt) {
     return 0;
 }
 
-/* Sends every byte of commands[from:to]: command k is the buffers iovs[first[k] ..
- * first[k + 1]) (taken from the Python objects with the GIL), sealed first when seals[k]
- * is set, SEND_IOV buffers per sendmsg; a sealed command goes out with what is waiting once
- * that reaches SEAL_FLUSH, so that what its seal hashed is still cached. */
-static int send_commands(reader_t *r, const struct iovec *iovs, const Py_ssize_t *first,
-                         const seal_t *seals, Py_ssize_t from, Py_ssize_t to) {
+/* The send queue of send_commands: up to SEND_IOV buffers, sent in one sendmsg each time
+ * it fills, or when flushed. */
+typedef struct {
     struct iovec iov[SEND_IOV];
-    int cnt = 0;
-    size_t waiting = 0;
-    for (Py_ssize_t k = from; k < to; k++) {
-        int sealed = seals != NULL && seals[k].taken > 0;
-        if (sealed) {
-            seal_apply(&seals[k]);
-        }
-        for (Py_ssize_t at = first[k]; at < first[k + 1]; at++) {
-            if (iovs[at].iov_len == 0) {
-                continue;
-            }
-            if (cnt == SEND_IOV) {
-                if (send_all(r, iov, cnt) < 0) {
-                    return -1;
-                }
-                cnt = 0;
-                waiting = 0;
-            }
-            iov[cnt++] = iovs[at];
-            waiting += iovs[at].iov_len;
-        }
-        if (sealed && waiting >= SEAL_FLUSH) {
-            if (send_all(r, iov, cnt) < 0) {
-                return -1;
-            }
-            cnt = 0;
-            waiting = 0;
+    int cnt;
+    size_t waiting;
+} sendq_t;
+
+static int sendq_flush(reader_t *r, sendq_t *q) {
+    int rc = send_all(r, q->iov, q->cnt);
+    q->cnt = 0;
+    q->waiting = 0;
+    return rc;
+}
+
+static int sendq_add(reader_t *r, sendq_t *q, void *base, size_t len) {
+    if (q->cnt == SEND_IOV && sendq_flush(r, q) < 0) {
+        return -1;
+    }
+    q->iov[q->cnt].iov_base = base;
+    q->iov[q->cnt].iov_len = len;
+    q->cnt++;
+    q->waiting += len;
+    return 0;
+}
+
+/* Source i of s, hashed and queued SEAL_FLUSH bytes at a time, each piece sent right after it
+ * was hashed (whole, then sent, without the streaming XXH3). */
+static int send_hashed(reader_t *r, sendq_t *q, seal_t *s, Py_ssize_t i, void *state) {
+    char *base = s->src[i].buf;
+    size_t len = (size_t)s->src[i].len;
+    if (state == NULL) {
+        put_le((unsigned char *)s->dest.buf + s->at[i], xxh3_64(base, len), 8);
+        s->hashed[i] = 1;
+        return sendq_add(r, q, base, len);
+    }
+    xxh3_reset(state);
+    for (size_t off = 0; off < len; off += SEAL_FLUSH) {
+        size_t piece = len - off < SEAL_FLUSH ? len - off : SEAL_FLUSH;
+        xxh3_update(state, base + off, piece);
+        if (sendq_add(r, q, base + off, piece) < 0 ||
+            (q->waiting >= SEAL_FLUSH && sendq_flush(r, q) < 0)) {
+            return -1;
         }
     }
-    return send_all(r, iov, cnt);
+    put_le((unsigned char *)s->dest.buf + s->at[i], xxh3_digest(state), 8);
+    s->hashed[i] = 1;
+    return 0;
+}
+
+/* Sends every byte of commands[from:to]: command k is the buffers iovs[first[k] ..
+ * first[k + 1]) (taken from the Python objects with the GIL), SEND_IOV buffers per sendmsg.
+ * A sealed command's sources that go out before its header are hashed as they are sent
+ * (send_hashed), the rest just before the header (seal_apply); a sealed command goes out
+ * with what is waiting once that reaches SEAL_FLUSH, so that what its seal hashed is still
+ * cached. */
+static int send_commands(reader_t *r, const struct iovec *iovs, const Py_ssize_t *first,
+                         seal_t *seals, Py_ssize_t from, Py_ssize_t to) {
+    sendq_t q;
+    q.cnt = 0;
+    q.waiting = 0;
+    void *state = NULL;
+    int rc = -1;
+    for (Py_ssize_t k = from; k < to; k++) {
+        seal_t *s = seals != NULL && seals[k].taken > 0 ? &seals[k] : NULL;
+        int streamed = s != NULL && seal_sent_in(s, iovs + first[k], first[k + 1] - first[k]);
+        if (s != NULL && !streamed) {
+            seal_apply(s);
+        }
+        if (streamed && state == NULL && xxh3_new != NULL) {
+            state = xxh3_new(); /* NULL (out of memory): hashed whole */
+        }
+        for (Py_ssize_t at = first[k]; at < first[k + 1]; at++) {
+            const struct iovec *v = &iovs[at];
+            if (v->iov_len == 0) {
+                continue;
+            }
+            if (streamed) {
+                if (v->iov_base == s->dest.buf && v->iov_len == (size_t)s->dest.len) {
+                    seal_apply(s);
+                } else {
+                    Py_ssize_t i = seal_source(s, v);
+                    if (i >= 0) {
+                        if (send_hashed(r, &q, s, i, state) < 0) {
+                            goto done;
+                        }
+                        continue;
+                    }
+                }
+            }
+            if (sendq_add(r, &q, v->iov_base, v->iov_len) < 0) {
+                goto done;
+            }
+        }
+        if (s != NULL && q.waiting >= SEAL_FLUSH && sendq_flush(r, &q) < 0) {
+            goto done;
+        }
+    }
+    rc = sendq_flush(r, &q);
+done:
+    if (state != NULL) {
+        xxh3_free(state);
+    }
+    return rc;
 }
 
 /* The destinations of a list sink, taken up front: the buffers of place i are
@@ -1164,6 +1276,24 @@ done:
     return result;
 }
 
+/* Whether the streaming functions, fed in uneven pieces, give xxh3_64's digest. */
+static int stream_agrees(void) {
+    unsigned char data[5000];
+    for (size_t i = 0; i < sizeof(data); i++) {
+        data[i] = (unsigned char)(i * 131 + 7);
+    }
+    void *state = xxh3_new();
+    if (state == NULL) {
+        return 0;
+    }
+    xxh3_reset(state);
+    xxh3_update(state, data, 1234);
+    xxh3_update(state, data + 1234, sizeof(data) - 1234);
+    int same = xxh3_digest(state) == xxh3_64(data, sizeof(data));
+    xxh3_free(state);
+    return same;
+}
+
 static PyObject *bind_xxh3(PyObject *self, PyObject *arg) {
     const char *path = PyUnicode_AsUTF8(arg);
     if (path == NULL) {
@@ -1179,6 +1309,22 @@ static PyObject *bind_xxh3(PyObject *self, PyObject *arg) {
     }
     if (fn != NULL) {
         xxh3_64 = (xxh3_fn)fn; /* lib stays open: the package is imported for good */
+        void *update = dlsym(lib, "XXH3_64bits_update_dispatch");
+        if (update == NULL) {
+            update = dlsym(lib, "XXH3_64bits_update");
+        }
+        void *made = dlsym(lib, "XXH3_createState"), *freed = dlsym(lib, "XXH3_freeState");
+        void *reset = dlsym(lib, "XXH3_64bits_reset"), *digest = dlsym(lib, "XXH3_64bits_digest");
+        if (update != NULL && made != NULL && freed != NULL && reset != NULL && digest != NULL) {
+            xxh3_new = (xxh3_new_fn)made;
+            xxh3_free = (xxh3_free_fn)freed;
+            xxh3_reset = (xxh3_reset_fn)reset;
+            xxh3_update = (xxh3_update_fn)update;
+            xxh3_digest = (xxh3_digest_fn)digest;
+            if (!stream_agrees()) { /* never seal with a digest that is not XXH3-64's */
+                xxh3_new = NULL;
+            }
+        }
     } else if (lib != NULL) {
         dlclose(lib);
     }

@@ -9,6 +9,7 @@ command sets it), which makes them fail instead."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from servers import RedisServer
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.storage import wire as wire_mod
 from lmcache_remote.storage.client import client_kwargs
+from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
 from lmcache_remote.storage.wire import Arena, ArenaPool, BulkPipeline, pack, supports
 
 
@@ -445,6 +447,38 @@ def test_a_seal_fills_in_checksums_as_its_command_is_sent(redis_url: str, key_pr
     assert client.get(f"{key_prefix}:plain") == b"as given"
     assert client.get(f"{key_prefix}:s2") == want2 + bodies[1]
     assert client.get(f"{key_prefix}:s3") == sealed(blank, {}, 28)
+    client.close()
+
+
+def test_a_seal_hashes_the_parts_sent_before_its_header_as_they_go(
+    redis_url: str, key_prefix: str, native: bool
+) -> None:
+    """A chunk as `chunk_write_command` names it, last part first and the header last: the
+    native loop hashes each part ahead of the header as it sends it (a part over 256 KiB one
+    piece at a time), and the rest (a part coalesced into a small buffer, part 0 after the
+    header) before the header goes. Every digest is still the XXH3-64 of its whole part, on
+    both readers."""
+    import xxhash
+
+    client = _client(redis_url)
+    wire = BulkPipeline(client, native=native)
+    rng = random.Random(7)
+    big = memoryview(rng.randbytes(3 * 256 * 1024 + 12345))  # four pieces, the last short
+    small = b"small part" * 10  # coalesced by `pack`
+    part0 = memoryview(rng.randbytes(300 * 1024))  # after the header, in value 0
+    header = bytearray(b"H" * 8 + bytes(24) + bytes(4))
+    keys = [f"{key_prefix}:big", f"{key_prefix}:small", f"{key_prefix}:head"]
+    command = chunk_write_command(keys[::-1], [(header, part0), small, big], None)
+    assert command[1] == keys[0] and command_key(command) == keys[2]
+    seal = (header, [part0, small, big], [24, 16, 8], 32)
+    assert wire.execute([command, ("PING",)], seals=[seal, None]) == [b"OK", b"PONG"]
+    want = bytearray(b"H" * 8 + bytes(24) + bytes(4))
+    for at, data in ((8, big), (16, small), (24, part0)):
+        want[at:at + 8] = xxhash.xxh3_64_intdigest(bytes(data)).to_bytes(8, "little")
+    want[32:36] = (xxhash.xxh3_64_intdigest(bytes(want[:32])) & 0xFFFFFFFF).to_bytes(4, "little")
+    assert bytes(header) == bytes(want)
+    assert client.get(keys[2]) == bytes(want) + bytes(part0)
+    assert client.get(keys[0]) == bytes(big) and client.get(keys[1]) == small
     client.close()
 
 

@@ -74,21 +74,27 @@ def chunk_write_command(keys: Sequence[str], values: Sequence[Any], ttl_ms: int 
                         *, script: bool = False) -> tuple[Any, ...]:
     """The one command that writes a chunk's values under its keys atomically (see above).
 
-    Its first key is always at index 1, or at index 3 for EVAL (`command_key`). `script`
-    forces the EVAL form (the access check probes it even for a one-value chunk)."""
+    A chunk of several values names them last part first and value 0 (the header) last: the
+    native loop then hashes each part as it sends it and seals the header after them all
+    (`wire.Seal`), where header first would need every part hashed before any is sent.
+    `command_key` finds the chunk key in any form. `script` forces the EVAL form (the access
+    check probes it even for a one-value chunk)."""
     if script and ttl_ms is not None:
-        return ("EVAL", SET_PARTS_PX, len(keys), *keys, *values, ttl_ms)
+        return ("EVAL", SET_PARTS_PX, len(keys), *keys[::-1], *values[::-1], ttl_ms)
     if len(keys) == 1:
         return ("SET", keys[0], values[0]) if ttl_ms is None else (
             "SET", keys[0], values[0], "PX", ttl_ms)
     if ttl_ms is None:
-        return ("MSET", *(x for kv in zip(keys, values, strict=True) for x in kv))
-    return ("EVAL", SET_PARTS_PX, len(keys), *keys, *values, ttl_ms)
+        return ("MSET", *(x for kv in zip(keys[::-1], values[::-1], strict=True) for x in kv))
+    return ("EVAL", SET_PARTS_PX, len(keys), *keys[::-1], *values[::-1], ttl_ms)
 
 
 def command_key(command: Sequence[Any]) -> Any:
-    """The first key a command touches (what routes it on a cluster)."""
-    return command[3] if command[0] == "EVAL" else command[1]
+    """The chunk key of a `chunk_write_command` (its value 0's; every key of a chunk routes
+    to the same cluster slot)."""
+    if command[0] == "EVAL":
+        return command[2 + int(command[2])]
+    return command[-2] if command[0] == "MSET" else command[1]
 
 
 class IncompleteChunkError(CorruptEntryError):

@@ -25,9 +25,10 @@ Contract:
   the caller's to hash.
 - ``seals`` (a list, one `Seal` or None per command) has the checksums of a write computed
   as it is sent: the native loop hashes each command's sources just before the kernel copies
-  them into the socket (while they are still in the CPU cache, without the GIL); the Python
-  reader seals every command first (`apply_seals`). Either way ``dest`` holds the checksums
-  after `execute`.
+  them into the socket (while they are still in the CPU cache, without the GIL): a source the
+  command sends ahead of ``dest`` in 256 KiB pieces, each hashed and sent in turn, the others
+  just before ``dest`` goes out; the Python reader seals every command first
+  (`apply_seals`). Either way ``dest`` holds the checksums after `execute`.
 - Error replies (``-ERR``, ``-NOPERM``, ``-OOM``) do not stop the reading: every reply is read,
   so the connection stays in step, then the first error is raised as redis-py would raise it.
 - A socket timeout raises `redis.TimeoutError`, a lost connection or a reply this reader does
