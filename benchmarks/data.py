@@ -51,7 +51,8 @@ TINY = Shape("tiny-llama", 2, 2, 16)
 def normal_dense(shape: Shape, num_tokens: int, scale: float = 1.0, seed: int = 0) -> DenseKV:
     """Per layer K and V `[heads, T, head]`, normal with std ``scale``, in the shape's dtype."""
     gen = torch.Generator().manual_seed(seed)
-    keys, values = [], []
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for _ in range(shape.layers):
         for out in (keys, values):
             t = torch.randn(shape.kv_heads, num_tokens, shape.head, generator=gen) * scale
@@ -104,7 +105,7 @@ def same_kv(a: KVView, b: KVView, shape: Shape, num_tokens: int) -> bool:
                for x, y in zip(canon(a), canon(b), strict=True))
 
 
-def tiny_model(num_layers: int = 2):  # type: ignore[no-untyped-def]
+def tiny_model(num_layers: int = 2):
     """The tiny Llama of the issue, random weights, fixed seed, eval mode, float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -114,13 +114,7 @@ def _allocated(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor],
                fit: bool) -> float:
     with _tier_put(server, shape, chunks, "raw", fit) as put:
         put()
-        client = server.client()
-        try:
-            names = list(client.scan_iter(match="bench:*", count=1000))
-            used = sum(int(client.memory_usage(n, samples=0)) for n in names)
-        finally:
-            client.close()
-        return used / sum(c.nbytes for c in chunks)
+        return server.key_bytes("bench:*") / sum(c.nbytes for c in chunks)
 
 
 def write_behind_rows(server: LocalRedis, shape: Shape, kv: KVView, dest: KVView,

@@ -123,6 +123,8 @@ def contenders(env: SideEnv, server: LocalRedis, data: DataFile, shape: Shape, c
         def busy(on: bool, peer: _Peer = peer) -> None:
             peer.ask("spin" if on else "still")
 
-        out.append(Contender(name, put, get, clean, check=lambda p=peer: p.ask("check"),
-                             close=peer.close, busy=busy))
+        def check(peer: _Peer = peer) -> bool:
+            return peer.ask("check")
+
+        out.append(Contender(name, put, get, clean, check=check, close=peer.close, busy=busy))
     return out

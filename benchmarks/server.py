@@ -55,6 +55,20 @@ class LocalRedis:
     def used_memory(self) -> int:
         return int(self.client().info("memory")["used_memory"])
 
+    def key_bytes(self, match: str | None = None) -> int:
+        """`MEMORY USAGE` summed over every key (those matching ``match``), keys included."""
+        client = self.client()
+        try:
+            total = 0
+            for key in client.scan_iter(match=match, count=1000):
+                used = client.memory_usage(key, samples=0)
+                if used is None:
+                    raise RuntimeError(f"{key!r} vanished while its memory was counted")
+                total += int(used)
+            return total
+        finally:
+            client.close()
+
     def clear(self) -> None:
         """Empties the benchmark's own server (SCAN + UNLINK, as the library would)."""
         client = self.client()
