@@ -538,11 +538,16 @@ static Py_ssize_t seal_source(const seal_t *s, const struct iovec *v) {
     return -1;
 }
 
+/* Whether the buffer v is dest itself. */
+static int seal_is_dest(const seal_t *s, const struct iovec *v) {
+    return v->iov_base == s->dest.buf && v->iov_len == (size_t)s->dest.len;
+}
+
 /* Whether one of command's buffers is dest itself: only then can its sources go out before
  * it is sealed (else seal_apply runs before any byte of the command is sent). */
 static int seal_sent_in(const seal_t *s, const struct iovec *iovs, Py_ssize_t count) {
     for (Py_ssize_t at = 0; at < count; at++) {
-        if (iovs[at].iov_base == s->dest.buf && iovs[at].iov_len == (size_t)s->dest.len) {
+        if (seal_is_dest(s, &iovs[at])) {
             return 1;
         }
     }
@@ -714,7 +719,7 @@ static int send_commands(reader_t *r, const struct iovec *iovs, const Py_ssize_t
                 continue;
             }
             if (streamed) {
-                if (v->iov_base == s->dest.buf && v->iov_len == (size_t)s->dest.len) {
+                if (seal_is_dest(s, v)) {
                     seal_apply(s);
                 } else {
                     Py_ssize_t i = seal_source(s, v);
