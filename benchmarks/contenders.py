@@ -11,10 +11,11 @@ the duel beside a busy thread.
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -47,6 +48,24 @@ class Contender:
     after: Callable[[], object] = lambda: None  # untimed, after each get (frees buffers)
     close: Callable[[], object] = lambda: None
     busy: Callable[[bool], object] = SPINNER.set  # a spinning thread in its own process
+    pid: int = field(default_factory=os.getpid)  # the process that does its work
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class CpuShare:
+    """Median CPU seconds of one contender's timed put and get: its own process's, and
+    redis-server's (the same server for every contender)."""
+    put_client: float
+    put_server: float
+    get_client: float
+    get_server: float
 
 
 def plain_socket(server: LocalRedis, chunks: Sequence[torch.Tensor], part: int) -> Contender:
@@ -136,36 +155,54 @@ def redis_bytes(server: LocalRedis, c: Contender, nbytes: int) -> float:
 
 
 def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object],
-         keep_open: Sequence[Contender] = (), busy: bool = False
+         keep_open: Sequence[Contender] = (), busy: bool = False,
+         server_pid: int | None = None, cpu: dict[str, CpuShare] | None = None
          ) -> dict[str, tuple[float, float]]:
     """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each;
-    every contender is closed after, but those in ``keep_open``.
+    every contender is closed after, but those in ``keep_open``. With ``server_pid`` and
+    ``cpu``, ``cpu`` gets each contender's median `CpuShare` (the CPU each timed operation
+    cost its process and the server).
     Every put starts on an empty server that has freed what the last contender wrote and
     handed its pages back (its ``clean``, then ``settle``, untimed): data left by one
     contender would change the server's memory state, and so the speed, of the next. With
     ``busy`` each contender's put and get run with a spinning Python thread in its own process
     (and none elsewhere)."""
     times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in contenders}
+    shares: dict[str, list[tuple[float, float, float, float]]] = {c.name: [] for c in contenders}
+
+    def used(c: Contender) -> tuple[float, float]:
+        if server_pid is None or cpu is None:
+            return (0.0, 0.0)
+        return (cpu_seconds(c.pid), cpu_seconds(server_pid))
+
     for c in contenders:
         c.clean()
     for rep in range(reps + 1):
         for c in contenders:
             settle()
             c.busy(busy)
+            before = used(c)
             start = time.perf_counter()
             c.put()
             middle = time.perf_counter()
+            between = used(c)
             c.get()
             end = time.perf_counter()
+            after = used(c)
             c.busy(False)
             if rep == 0:
                 assert c.check(), f"{c.name} read back different bytes"
             else:
                 times[c.name][0].append(middle - start)
                 times[c.name][1].append(end - middle)
+                shares[c.name].append((between[0] - before[0], between[1] - before[1],
+                                       after[0] - between[0], after[1] - between[1]))
             c.after()
             c.clean()
     for c in contenders:
         if c not in keep_open:
             c.close()
+    if cpu is not None and server_pid is not None:
+        for name, rows in shares.items():
+            cpu[name] = CpuShare(*(statistics.median(r[i] for r in rows) for i in range(4)))
     return {name: (statistics.median(p), statistics.median(g)) for name, (p, g) in times.items()}

@@ -126,5 +126,6 @@ def contenders(env: SideEnv, server: LocalRedis, data: DataFile, shape: Shape, c
         def check(peer: _Peer = peer) -> bool:
             return peer.ask("check")
 
-        out.append(Contender(name, put, get, clean, check=check, close=peer.close, busy=busy))
+        out.append(Contender(name, put, get, clean, check=check, close=peer.close, busy=busy,
+                             pid=peer.proc.pid))
     return out

@@ -22,6 +22,25 @@ def busy_section(shape: Any, count: int) -> str:
     return side_section(shape, count).replace("side by side", "beside a busy Python thread")
 
 
+def cpu_section(shape: Any, count: int) -> str:
+    """The section of the CPU the side-by-side rows cost: ``CPU per GB moved, 1 MiB x 256``."""
+    return cpu_section_of(side_section(shape, count))
+
+
+def cpu_section_of(section: str) -> str:
+    """The CPU section that goes with a side-by-side section."""
+    return section.replace("side by side", "CPU per GB moved")
+
+
+def server_busy(res: Results, section: str, name: str, op: str) -> float | None:
+    """The share of one core redis-server was busy during ``name``'s ``op`` in ``section``
+    (its CPU seconds per GB times the GB/s), or None where the run did not count CPU."""
+    cpu = cpu_section_of(section)
+    rows = {r.name: r.value for r in res.rows if r.section == cpu}
+    per_gb = rows.get(f"{name}: {op}, redis-server")
+    return None if per_gb is None else per_gb * res.get(section, f"{name}: {op}")
+
+
 #: The contenders of the busy duel: LMCache's default and fastest paths, the tier, the engine.
 BUSY_FIELD = ("LMCache redis://", "LMCache resp://", "RedisTier raw", "engine raw")
 
@@ -52,8 +71,11 @@ def lmcache_targets(res: Results, section: str) -> list[str]:
     for op, word in (("store", "put"), ("retrieve", "get")):
         best = max(LMCACHE, key=lambda n: g(section, f"{n}: {op}"))
         tier = g(section, f"RedisTier raw: {op}")
+        loads = [server_busy(res, section, n, op) for n in ("RedisTier raw", best)]
+        server = "" if None in loads else (f" (redis-server busy {loads[0]:.0%} and "
+                                           f"{loads[1]:.0%} of a core)")
         lines.append(f"- {section}, {word}: RedisTier raw {tier:.2f} GB/s against LMCache's "
-                     f"fastest here, {best} {g(section, f'{best}: {op}'):.2f} GB/s: "
+                     f"fastest here, {best} {g(section, f'{best}: {op}'):.2f} GB/s{server}: "
                      + _ratio(tier / g(section, f"{best}: {op}"), 1.0, 1.2) + ".")
     default = LMCACHE[0]
     for op, word, target in (("store", "store", 1.0), ("retrieve", "retrieve", 2.0)):

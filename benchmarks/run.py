@@ -36,7 +36,7 @@ from benchmarks.data import (
     normal_dense,
     paged_like,
 )
-from benchmarks.report import BUSY_FIELD, busy_section, side_section
+from benchmarks.report import BUSY_FIELD, busy_section, cpu_section, side_section
 from benchmarks.server import LocalRedis
 from benchmarks.timing import Results, Row
 from lmcache_remote import DenseKV, KVView
@@ -190,7 +190,9 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, re
     busy_field = [c for c in field if c.name in BUSY_FIELD]
     keep = busy_field + [c for c in memory_of if c not in busy_field] if busy else memory_of
     try:
-        result = contenders.duel(field, reps, server.settle, keep_open=keep)
+        cpu: dict[str, contenders.CpuShare] = {}
+        result = contenders.duel(field, reps, server.settle, keep_open=keep,
+                                 server_pid=server.pid, cpu=cpu)
         for name, (t_put, t_get) in result.items():
             if name.startswith("engine"):
                 put_note, get_note = ("synchronous store, copy out of vLLM's paged layout "
@@ -202,6 +204,14 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, re
                 put_note = get_note = notes[name]
             res.add(sec, f"{name}: store", gbps(nbytes, t_put), "GB/s", put_note)
             res.add(sec, f"{name}: retrieve", gbps(nbytes, t_get), "GB/s", get_note)
+        csec = cpu_section(shape, count)
+        for name, share in cpu.items():
+            for op, mine, theirs in (("store", share.put_client, share.put_server),
+                                     ("retrieve", share.get_client, share.get_server)):
+                res.add(csec, f"{name}: {op}, redis-server", theirs / nbytes * 1e9, "CPU s/GB",
+                        "the server's user + system time (10 ms ticks)")
+                res.add(csec, f"{name}: {op}, its own process", mine / nbytes * 1e9,
+                        "CPU s/GB", "every thread of the contender's process")
         for c in memory_of:
             res.add(sec, f"{c.name}: Redis memory / KV byte",
                     contenders.redis_bytes(server, c, nbytes), "ratio",

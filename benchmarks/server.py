@@ -46,6 +46,13 @@ class LocalRedis:
         self.stop()
         raise RuntimeError(f"redis-server did not start; see {self._dir}/server.log")
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id."""
+        if self._proc is None:
+            raise RuntimeError("redis-server is not running")
+        return self._proc.pid
+
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
 

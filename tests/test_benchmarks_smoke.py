@@ -31,6 +31,11 @@ def test_benchmark_suite_runs_in_tiny_mode(tmp_path: Path) -> None:
                 "bfloat16 tiny-model KV | lz4-planes", "engine zstd-planes: store",
                 "bfloat16 tiny-model KV | zstd-planes"):
         assert row in text, row
+    cpu = [line for line in text.splitlines() if line.startswith("| CPU per GB moved")]
+    for name in ("LMCache redis://", "LMCache resp://", "RedisTier raw", "engine raw"):
+        for op in ("store", "retrieve"):
+            for whose in ("redis-server", "its own process"):
+                assert any(f"| {name}: {op}, {whose} |" in line for line in cpu), (name, whose)
     busy = [line for line in text.splitlines() if line.startswith("| beside a busy Python")]
     for name in ("LMCache redis://", "LMCache resp://", "RedisTier raw", "engine raw"):
         for op in ("store", "retrieve"):
