@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmcache_remote.errors import KeyFormatError
 from lmcache_remote.keys import CacheEngineKey
 
 HASH_BYTES = 16
@@ -111,8 +112,13 @@ class KeyNamespace:
     worker_id: int
     dtype: str
 
+    def __post_init__(self) -> None:  # the checks every key of the namespace would repeat
+        CacheEngineKey(self.model_name, self.world_size, self.worker_id, self.dtype, "0" * 32)
+
     def key(self, chunk_hash: bytes) -> CacheEngineKey:
-        return CacheEngineKey(
+        if len(chunk_hash) != 16:
+            raise KeyFormatError(f"a chunk hash is 16 bytes, got {len(chunk_hash)}")
+        return CacheEngineKey.of_valid(
             self.model_name, self.world_size, self.worker_id, self.dtype, chunk_hash.hex()
         )
 

@@ -71,6 +71,22 @@ class CacheEngineKey:
         if not isinstance(self.chunk_hash, str) or not _HASH_RE.match(self.chunk_hash):
             raise KeyFormatError(f"chunk_hash must be 32 lowercase hex digits: {self.chunk_hash!r}")
 
+    @classmethod
+    def of_valid(cls, model_name: str, world_size: int, worker_id: int, dtype: str,
+                 chunk_hash: str) -> CacheEngineKey:
+        """The key of fields its caller has already validated, without checking them again: a
+        `KeyNamespace` checked its four fields once, and a 16-byte digest's hex is always a
+        valid hash. Lookups build one key per chunk, and the checks (two regex matches) were
+        the largest part of that."""
+        key = object.__new__(cls)
+        setattr_ = object.__setattr__  # the class is frozen
+        setattr_(key, "model_name", model_name)
+        setattr_(key, "world_size", world_size)
+        setattr_(key, "worker_id", worker_id)
+        setattr_(key, "dtype", dtype)
+        setattr_(key, "chunk_hash", chunk_hash)
+        return key
+
     @property
     def hash_bytes(self) -> bytes:
         return bytes.fromhex(self.chunk_hash)

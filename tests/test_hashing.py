@@ -60,3 +60,21 @@ def test_mask_skips_prefix_and_is_validated() -> None:
         db.chunks(list(range(1000)), holes)
     with pytest.raises(ValueError):
         db.chunks(list(range(1000)), torch.ones(999, dtype=torch.bool))
+
+
+def test_a_namespace_checks_its_fields_once_and_makes_the_keys_a_checked_key_would_be() -> None:
+    from lmcache_remote.errors import KeyFormatError
+    from lmcache_remote.keys import CacheEngineKey
+
+    for bad in (("", 1, 0, "bfloat16"), ("m", 1, 1, "bfloat16"), ("m", 1, 0, "Bad dtype")):
+        with pytest.raises(KeyFormatError):
+            KeyNamespace(*bad)
+    ns = KeyNamespace("org/model:v{1}", 2, 1, "float16")
+    digest = bytes(range(16))
+    key = ns.key(digest)
+    checked = CacheEngineKey("org/model:v{1}", 2, 1, "float16", digest.hex())
+    assert key == checked and hash(key) == hash(checked)
+    assert key.redis_key("p") == checked.redis_key("p")
+    assert CacheEngineKey.from_string(key.to_string()) == checked
+    with pytest.raises(KeyFormatError):
+        ns.key(digest[:15])

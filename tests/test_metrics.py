@@ -34,6 +34,20 @@ def test_observe_keeps_the_total_and_fills_buckets() -> None:
     assert hist.counts[-1] == 1  # +Inf
 
 
+def test_a_lookup_counts_its_hit_tokens_by_the_tier_that_has_them(
+        redis_url: str, key_prefix: str) -> None:
+    with engine(redis_url, key_prefix, store_async=False, local_cpu=False) as writer:
+        kv, _ = view("kv_split", torch.bfloat16, 512, seed=1)
+        assert writer.store(tokens(512), kv) == 512  # both chunks in Redis only
+    with engine(redis_url, key_prefix, store_async=False) as reader:
+        kv, _ = view("kv_split", torch.bfloat16, 256, seed=1)
+        assert reader.store(tokens(256), kv) == 256  # the first chunk in its local tier too
+        assert reader.lookup(tokens(512)) == 512
+        stats = reader.stats()
+    assert stats["local"]["lookup_hit_tokens"] == 256
+    assert stats["remote"]["lookup_hit_tokens"] == 256
+
+
 def test_engine_counts_per_tier(redis_url: str, key_prefix: str) -> None:
     with engine(redis_url, key_prefix, store_async=False) as a:
         _workload(a)

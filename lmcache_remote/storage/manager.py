@@ -274,9 +274,12 @@ class StorageManager:
             local_present = present
         hits = self._within_read_share(
             specs, next((i for i, p in enumerate(present) if not p), len(specs)))
+        tokens = {True: 0, False: 0}  # hit tokens by tier (local or not), one count each
         for spec, is_local in zip(specs[:hits], local_present, strict=False):
-            tier = "local" if is_local else "remote"
-            self.metrics.inc(f"{tier}.lookup_hit_tokens", spec.num_tokens)
+            tokens[bool(is_local)] += spec.num_tokens
+        for is_local, count in tokens.items():
+            if count:
+                self.metrics.inc(f"{'local' if is_local else 'remote'}.lookup_hit_tokens", count)
         return hits
 
     def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
