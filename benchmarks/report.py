@@ -35,10 +35,11 @@ def cpu_section_of(section: str) -> str:
 def server_busy(res: Results, section: str, name: str, op: str) -> float | None:
     """The share of one core redis-server was busy during ``name``'s ``op`` in ``section``
     (its CPU seconds per GB times the GB/s), or None where the run did not count CPU."""
-    cpu = cpu_section_of(section)
-    rows = {r.name: r.value for r in res.rows if r.section == cpu}
-    per_gb = rows.get(f"{name}: {op}, redis-server")
-    return None if per_gb is None else per_gb * res.get(section, f"{name}: {op}")
+    try:
+        per_gb = res.get(cpu_section_of(section), f"{name}: {op}, redis-server")
+    except KeyError:
+        return None
+    return per_gb * res.get(section, f"{name}: {op}")
 
 
 #: The contenders of the busy duel: LMCache's default and fastest paths, the tier, the engine.

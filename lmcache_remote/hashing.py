@@ -116,8 +116,8 @@ class KeyNamespace:
         CacheEngineKey(self.model_name, self.world_size, self.worker_id, self.dtype, "0" * 32)
 
     def key(self, chunk_hash: bytes) -> CacheEngineKey:
-        if len(chunk_hash) != 16:
-            raise KeyFormatError(f"a chunk hash is 16 bytes, got {len(chunk_hash)}")
+        if len(chunk_hash) != HASH_BYTES:
+            raise KeyFormatError(f"a chunk hash is {HASH_BYTES} bytes, got {len(chunk_hash)}")
         return CacheEngineKey.of_valid(
             self.model_name, self.world_size, self.worker_id, self.dtype, chunk_hash.hex()
         )

@@ -79,14 +79,16 @@ def chunk_write_command(keys: Sequence[str], values: Sequence[Any], ttl_ms: int 
     (`wire.Seal`), where header first would need every part hashed before any is sent.
     `command_key` finds the chunk key in any form. `script` forces the EVAL form (the access
     check probes it even for a one-value chunk)."""
+    last_first_keys, last_first_values = keys[::-1], values[::-1]
     if script and ttl_ms is not None:
-        return ("EVAL", SET_PARTS_PX, len(keys), *keys[::-1], *values[::-1], ttl_ms)
+        return ("EVAL", SET_PARTS_PX, len(keys), *last_first_keys, *last_first_values, ttl_ms)
     if len(keys) == 1:
         return ("SET", keys[0], values[0]) if ttl_ms is None else (
             "SET", keys[0], values[0], "PX", ttl_ms)
     if ttl_ms is None:
-        return ("MSET", *(x for kv in zip(keys[::-1], values[::-1], strict=True) for x in kv))
-    return ("EVAL", SET_PARTS_PX, len(keys), *keys[::-1], *values[::-1], ttl_ms)
+        return ("MSET", *(x for kv in zip(last_first_keys, last_first_values, strict=True)
+                          for x in kv))
+    return ("EVAL", SET_PARTS_PX, len(keys), *last_first_keys, *last_first_values, ttl_ms)
 
 
 def command_key(command: Sequence[Any]) -> Any:
