@@ -60,10 +60,11 @@ import torch
 
 from lmcache_remote.native import wire as _native  # its copy_rows, or None: torch / numpy
 
-__all__ = ["DEFAULT_STAGING_BYTES", "PAGED_LAYOUTS", "DenseKV", "KVView", "PagedKV"]
+__all__ = ["DEFAULT_STAGING_BYTES", "PAGED_LAYOUTS", "BlockMap", "DenseKV", "KVView",
+           "PagedKV"]
 
 DEFAULT_STAGING_BYTES = 256 << 20
-PAGED_LAYOUTS = ("kv_split", "packed", "mla")
+PAGED_LAYOUTS = ("kv_split", "packed", "mla", "mapped")
 
 Range = tuple[int, int]
 _Index = TypeVar("_Index")
@@ -72,7 +73,8 @@ _Item = TypeVar("_Item")
 # Per paged layout: the axis of block ids and the axis of in-block offsets in one layer's
 # tensor, then the token axis of advanced indexing on those two (adjacent index axes keep their
 # place, separated ones move to the front).
-_PAGED_AXES = {"kv_split": (1, 2, 1), "packed": (0, 2, 0), "mla": (0, 1, 0)}
+_PAGED_AXES = {"kv_split": (1, 2, 1), "packed": (0, 2, 0), "mla": (0, 1, 0),
+               "mapped": (0, 1, 1)}
 
 
 @dataclass(frozen=True)
@@ -254,6 +256,12 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
     `kv_split` `[2, num_blocks, block_size, num_kv_heads, head_size]` (5 dims, dim 0 == 2),
     `packed` `[num_blocks, num_kv_heads, block_size, 2 * head_size]` (4 dims; K is the first
     half of the last dim, V the second), `mla` `[num_blocks, block_size, head_size]` (3 dims).
+    `mapped` (never detected: `layout="mapped"` with a `block_map`): each tensor has the block
+    axis first and any other shape and strides; `block_map[plane, offset, head, dim]` is the
+    storage offset, from the block's first element, of that element of the token at that
+    offset of a block (`layout_proof.find_block_map` reads it off the engine's write op): the
+    tiled blocks of vLLM's CPU backend. `block_map` (a property) is the same map for every
+    layout: what the view reads and writes.
     `slot_mapping[i] = block_id * block_size + offset` is the slot of position i; it is read
     once, into CPU memory, at construction. Negative slots (padding) are allowed in the
     mapping but are an error for any position a call copies.
@@ -265,15 +273,28 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         slot_mapping: torch.Tensor | Sequence[int],
         *,
         layout: str | None = None,
+        block_map: BlockMap | None = None,
     ) -> None:
         self._layers = list(kv_caches)
         first = _check_uniform(self._layers, "kv_caches")
-        self.layout = _detect_layout(tuple(first.shape), layout)
-        self.num_blocks, self.block_size, heads, head_size = _paged_geometry(
-            self.layout, tuple(first.shape)
-        )
+        self._map: BlockMap | None = None
+        if layout == "mapped" or block_map is not None:
+            if layout != "mapped" or block_map is None:
+                raise ValueError("a block_map goes with layout='mapped', and only with it")
+            self.layout = "mapped"
+            block_map.check(first)
+            self._map = block_map
+            planes, self.block_size, heads, head_size = block_map.offsets.shape
+            self.num_blocks = first.shape[0]
+            self._flat = [_storage_from(t, block_map.width, block_map.wide)
+                          for t in self._layers]
+        else:
+            self.layout = _detect_layout(tuple(first.shape), layout)
+            self.num_blocks, self.block_size, heads, head_size = _paged_geometry(
+                self.layout, tuple(first.shape)
+            )
+            planes = 1 if self.layout == "mla" else 2
         self._slots = _slot_tensor(slot_mapping, self.num_blocks * self.block_size)
-        planes = 1 if self.layout == "mla" else 2
         self._geometry = _Geometry(
             first.device, first.dtype, len(kv_caches), planes, heads, head_size, len(self._slots)
         )
@@ -281,11 +302,41 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         # the CPU row copies of `_copy_group` (else: staging, as on CUDA)
         self._rows_direct = (
             first.device.type == "cpu"
-            and self.layout != "packed"
+            and self.layout in ("kv_split", "mla")
             and all(t.is_contiguous() for t in self._layers)
         )
 
+    @property
+    def block_map(self) -> torch.Tensor:
+        """`[planes, block_size, heads, head_size]`: the storage offset, from its block's first
+        element, of each element this view reads and writes for the token at each offset of a
+        block (int64, CPU). A block's first element is `blocks(t)[b]`'s, see `blocks`."""
+        if self._map is not None:
+            return self._map.offsets.cpu()
+        t = self._layers[0]
+        planes, size, heads, head = self.kv_planes, self.block_size, self.num_kv_heads, \
+            self.head_size
+        p = torch.arange(planes).view(-1, 1, 1, 1)
+        o = torch.arange(size).view(1, -1, 1, 1)
+        h = torch.arange(heads).view(1, 1, -1, 1)
+        d = torch.arange(head).view(1, 1, 1, -1)
+        s = t.stride()
+        if self.layout == "kv_split":
+            offsets = p * s[0] + o * s[2] + h * s[3] + d * s[4]
+        elif self.layout == "packed":
+            offsets = h * s[1] + o * s[2] + (p * head + d) * s[3]
+        else:  # mla: one plane, one head
+            offsets = p * 0 + o * s[1] + h * 0 + d * s[2]
+        return offsets.expand(planes, size, heads, head).contiguous()
+
+    def blocks(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s cache with the block axis first (a view): `blocks(l)[b]` is block b."""
+        t = self._layers[layer]
+        return t.transpose(0, 1) if self.layout == "kv_split" else t
+
     def _native_shape(self, num_tokens: int) -> tuple[int, ...]:
+        if self.layout == "mapped":
+            return (self.kv_planes, num_tokens, self.num_kv_heads, self.head_size)
         if self.layout == "kv_split":
             return (2, num_tokens, self.num_kv_heads, self.head_size)
         if self.layout == "packed":
@@ -322,6 +373,9 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         on 32 MiB chunks): a chunk's `[layer, plane]` part is `[tokens, heads * head_size]`
         rows, one `index_select` / row assignment per range, layer and plane, whole blocks at
         a time when the range covers whole blocks in order."""
+        if self._map is not None:
+            self._copy_mapped(layers, group, to_host)
+            return
         if not self._rows_direct or not all(host.is_contiguous() for _, host in group):
             super()._copy_group(layers, group, to_host)
             return
@@ -379,6 +433,32 @@ class PagedKV(KVView[list[torch.Tensor | None]]):
         assert native is not None
         _run_split(lambda part: native.copy_rows(list(part), to_host), jobs)
         return True
+
+    def _copy_mapped(
+        self, layers: range, group: list[tuple[Range, torch.Tensor]], to_host: bool
+    ) -> None:
+        """The `mapped` layout: one element gather (or scatter) per range and layer through an
+        index built once per range from the block map: `block * block_stride + map[:,
+        offset]` for each token. Elements that the map keeps in contiguous aligned runs move
+        as one wider integer (VNNI pairs of a tiled K area: two bfloat16 as one int32)."""
+        assert self._map is not None
+        width, wide, base_map = self._map.width, self._map.wide, self._map.runs
+        step = self._layers[0].stride(0)
+        jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        for (start, end), host in group:
+            slots = self._slots[start:end].to(self.device)
+            blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+            offsets = torch.remainder(slots, self.block_size)
+            index = (base_map[:, offsets] + (blocks * (step // width)).view(1, -1, 1, 1)
+                     ).reshape(-1)
+            for layer in layers:
+                chunk = host[layer]
+                jobs.append((self._flat[layer], index, chunk.view(wide) if width > 1 else chunk,
+                             to_host))
+        if self.device.type == "cpu":
+            _run_split(_mapped_moves, jobs)
+        else:
+            _mapped_moves(jobs)
 
     def _plane_rows(self, layers: range, rows: int) -> list[torch.Tensor]:
         """Each layer's planes (K then V, or MLA's one) as ``rows`` rows, in chunk order."""
@@ -527,6 +607,85 @@ def _groups(
         groups[-1].append(((start, end), tensor))
         tokens += end - start
     return groups
+
+
+def _mapped_moves(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]
+                  ) -> None:
+    """Per job (a layer's storage, flat; the element index; a chunk's layer; to host): the
+    gather into the chunk, or the scatter from it."""
+    for flat, index, chunk, to_host in jobs:
+        if to_host:
+            if chunk.device == flat.device and chunk.is_contiguous():
+                torch.index_select(flat, 0, index, out=chunk.view(-1))
+            else:
+                chunk.copy_(flat.index_select(0, index).view(chunk.shape), non_blocking=True)
+        else:
+            src = chunk.reshape(-1).to(flat.device, non_blocking=True)
+            flat.index_copy_(0, index, src)
+
+
+class BlockMap:
+    """Where each K/V element of a block lies, for `PagedKV`'s `mapped` layout: `offsets`
+    `[planes, block_size, heads, head_size]` (int64) from the block's first element, for
+    caches shaped, strided and typed like `like` (one layer, block axis first). Checked once
+    here (offsets distinct and inside one block), so views made per request cost nothing
+    more; also works out once how many head dims move as one integer."""
+
+    def __init__(self, offsets: torch.Tensor, like: torch.Tensor) -> None:
+        if (offsets.ndim != 4 or offsets.dtype != torch.int64
+                or offsets.shape[0] not in (1, 2)):
+            raise ValueError(f"block map must be int64 [planes, block_size, heads, head_size], "
+                             f"got {tuple(offsets.shape)} {offsets.dtype}")
+        if like.ndim < 2:
+            raise ValueError("a mapped cache has the block axis first and at least 2 dims")
+        flat = offsets.reshape(-1)
+        span = 1 + sum((n - 1) * s for n, s in zip(like.shape[1:], like.stride()[1:],
+                                                   strict=True))
+        if bool(((flat < 0) | (flat >= span)).any()) or len(torch.unique(flat)) != len(flat):
+            raise ValueError("block map offsets must be distinct and inside one block")
+        self.offsets = offsets.to(like.device)
+        self._like = (tuple(like.shape[1:]), like.stride(), like.dtype, like.device)
+        self.width, self.wide = _widest_run(self.offsets, like, like.dtype)
+        self.runs = self.offsets[..., ::self.width] // self.width
+
+    def check(self, layer: torch.Tensor) -> None:
+        if (tuple(layer.shape[1:]), layer.stride(), layer.dtype, layer.device) != self._like:
+            raise ValueError(f"cache layer {tuple(layer.shape)} {layer.dtype} is not the "
+                             "shape, strides and dtype its block map was made for")
+        if layer.storage_offset() % self.width:
+            raise ValueError("cache layer not aligned for its block map")
+
+
+def _storage_from(t: torch.Tensor, width: int, wide: torch.dtype) -> torch.Tensor:
+    """The storage of `t` from its first element on, as a 1-D view of runs of `width`
+    elements, each one element of `wide` (`t`'s own dtype for runs of 1)."""
+    total = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    flat = torch.as_strided(t, (total - total % width,), (1,), t.storage_offset())
+    return flat.view(wide) if width > 1 else flat
+
+
+#: Integer dtypes by byte width, for moving runs of elements as one.
+_WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _widest_run(block_map: torch.Tensor, first: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[int, torch.dtype]:
+    """The longest run of head dims (1, 2 or 4 elements, up to 8 bytes) that the map keeps
+    contiguous and aligned in every block, and the integer dtype of that width."""
+    itemsize = dtype.itemsize
+    head = block_map.shape[-1]
+    for width in (4, 2):
+        nbytes = width * itemsize
+        if nbytes not in _WIDE or head % width or first.stride(0) % width:
+            continue
+        if first.storage_offset() % width:
+            continue
+        runs = block_map.unflatten(-1, (head // width, width))
+        lead = runs[..., :1]
+        if bool((lead % width == 0).all()) and torch.equal(
+                runs - lead, torch.arange(width, device=runs.device).expand_as(runs)):
+            return width, _WIDE[nbytes]
+    return 1, dtype
 
 
 def _copy_pairs(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -136,3 +136,48 @@ def tier_chunks(db: Any, layout: Any, pool: Any, n_tokens: int, seed: int) -> tu
         obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen).to(layout.dtype))
         objs.append(obj)
     return specs, objs
+
+
+# Reference cache-write ops for the layout proof's own tests (`test_layout_proof.py`) and the
+# vLLM-free worker tests. They stand in for vLLM's `do_kv_cache_update`, which needs vLLM; the
+# real ops are proven in tests/vllm_cpu (vLLM's CPU kernels) and tests/vllm_real. Each takes
+# `kv` [planes, tokens, heads, head_size] and the tokens' slots.
+
+def packed_writer(cache: torch.Tensor) -> Any:
+    """What vLLM's GPU backends leave in a `[blocks, heads, block_size, 2 * head]` view: row
+    t = K then V of token t."""
+    size = cache.shape[2]
+
+    def write(kv: torch.Tensor, slots: torch.Tensor) -> None:
+        cache[slots // size, :, slots % size, :] = torch.cat([kv[0], kv[1]], -1).to(cache.dtype)
+    return write
+
+
+def tiled_writer(cache: torch.Tensor, pairs: bool = False) -> Any:
+    """A tiled block like vLLM's CPU backend under ISA "vec" (`[blocks, heads, 2 * size,
+    head]`: a K area stored transposed, `[head, size]`, then V row-major); with `pairs`, K in
+    pairs of dims per token (VNNI-like: dims 2i and 2i+1 of token t side by side)."""
+    blocks, heads, size, width = cache.shape
+    head = width // 2
+    areas = cache.view(blocks, heads, 2 * size, head)
+
+    def write(kv: torch.Tensor, slots: torch.Tensor) -> None:
+        b, o = slots // size, slots % size
+        k, v = kv[0].to(cache.dtype), kv[1].to(cache.dtype)
+        for i in range(len(slots)):
+            k_area = areas[b[i], :, :size].reshape(heads, -1)
+            if pairs:  # [head // 2, size, 2]
+                k_area.view(heads, head // 2, size, 2)[:, :, o[i], :] = k[i].view(heads, -1, 2)
+            else:  # [head, size]
+                k_area.view(heads, head, size)[:, :, o[i]] = k[i]
+            areas[b[i], :, size + o[i], :] = v[i]
+    return write
+
+
+def mla_writer(cache: torch.Tensor) -> Any:
+    """MLA's `[blocks, block_size, latent]`: one latent per token."""
+    size = cache.shape[1]
+
+    def write(kv: torch.Tensor, slots: torch.Tensor) -> None:
+        cache[slots // size, slots % size, :] = kv[0, :, 0].to(cache.dtype)
+    return write
