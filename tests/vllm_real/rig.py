@@ -332,14 +332,16 @@ class Instance:
         config.parallel_config = copy.copy(self.config.parallel_config)
         config.parallel_config.rank = index
         caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout)
+        fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+               "fp8_e5m2": torch.float8_e5m2}.get(self.config.cache_config.cache_dtype)
+        layers = {name: _Layer(caches[name], self.mla, fp8) for name in self.names}
+        config.compilation_config = copy.copy(self.config.compilation_config)
+        config.compilation_config.static_forward_context = layers
         connector = None
         if self.config.kv_transfer_config is not None:
             connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
                                                             self.kv_cache_config)
             connector.register_kv_caches(caches)
-        layers = {name: _Layer(caches[name]) for name in self.names}
-        config.compilation_config = copy.copy(self.config.compilation_config)
-        config.compilation_config.static_forward_context = layers
         return Rank(self, index, config, caches, connector, layers)
 
     # -- requests ---------------------------------------------------------------------------
@@ -449,7 +451,33 @@ def _through_ipc(obj: _T) -> _T:
 
 
 class _Layer:
-    """What `get_attention_context` reads from an attention layer: its `kv_cache`."""
+    """What `get_attention_context` reads from an attention layer: its `kv_cache`; and what
+    the connector proves its reading with: `impl.do_kv_cache_update` (`_FakeCacheWrite`)."""
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: torch.Tensor, mla: bool, fp8: torch.dtype | None) -> None:
         self.kv_cache = kv_cache
+        self.impl = _FakeCacheWrite(mla, fp8)
+        self.kv_lora_rank = MLA_DIM - 64
+        self.kv_cache_dtype = "fp8" if fp8 is not None else "auto"
+
+
+class _FakeCacheWrite:
+    """Stands in for the backend's cache-write op, which needs a GPU: it writes exactly what
+    the fake forward writes (`Rank.write`: row t of the `[blocks, heads, block, C]` view is
+    token t's K then V, or its MLA latent; fp8 caches hold the values' fp8 bytes). What this
+    cannot show: that a GPU backend's kernel writes that layout (scripts/gpu_check_vllm.sh
+    proves it with the real op, where a GPU runs it)."""
+
+    def __init__(self, mla: bool, fp8: torch.dtype | None) -> None:
+        self.mla, self.fp8 = mla, fp8
+
+    def do_kv_cache_update(self, *args: Any) -> None:
+        if self.mla:  # (kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+            kv_c, k_pe, kv_cache, slots = args[:4]
+            rows = torch.cat([kv_c, k_pe.squeeze(1)], -1)[:, None, :]
+        else:  # (layer, key, value, kv_cache, slot_mapping)
+            _, key, value, kv_cache, slots = args
+            rows = torch.cat([key, value], -1)
+        rows = (rows.to(self.fp8).view(torch.uint8) if self.fp8 is not None
+                else rows.to(kv_cache.dtype))
+        kv_cache[slots // BLOCK, :, slots % BLOCK, :] = rows

@@ -641,3 +641,85 @@ def test_background_lookup_keeps_the_scheduler_going_while_redis_is_stopped(
         private_redis.resume()
     b.run(["r2"])
     assert retrieved(b) == 2 * CHUNK and b.bad_reads == []
+
+
+# -- the layout proof, sleep mode, the version check ---------------------------------------------
+
+def test_an_unproven_layout_turns_the_connector_off_and_inference_goes_on(
+        engines: Engines, redis_client: redis.Redis, key_prefix: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The backend's write op (the rig's stand-in) stores values other than it was given:
+    the worker cannot prove its reading, logs an ERROR, loads nothing (the hit claimed
+    before the scheduler knew is reported failed and recomputed, bit for bit), stores
+    nothing, and the scheduler stops claiming hits after the first step's worker output."""
+    tokens = prompt(800, seed=40)
+    prefill(engines(store_async=False), "r1", tokens)
+    stored = chunk_keys(redis_client, key_prefix)
+    right = rig._FakeCacheWrite.do_kv_cache_update
+
+    def scaled(self: Any, *args: Any) -> None:
+        args = list(args)
+        args[1] = args[1] * 2  # the key of MHA's (layer, key, value, cache, slots)
+        right(self, *args)
+
+    monkeypatch.setattr(rig._FakeCacheWrite, "do_kv_cache_update", scaled)
+    with caplog.at_level(logging.ERROR):
+        b = engines(local_cpu=False)
+    assert any("connector OFF" in r.getMessage() for r in caplog.records)
+    assert b.ranks[0].connector._worker.disabled is not None
+    _failed_then_recomputed(b, "r2", tokens)  # the hit claimed in step 1 fails
+    assert b.worker_engine() is None
+    assert b.scheduler_connector._scheduler.can_load is False
+    prefill(b, "r3", tokens)  # no claim now: a plain prefill
+    assert chunk_keys(redis_client, key_prefix) == stored  # nothing stored by b
+
+
+def test_sleep_mode_leaves_the_caches_alone_until_restored(
+        engines: Engines, redis_client: redis.Redis, key_prefix: str) -> None:
+    """vLLM 0.33's sleep calls `unregister_kv_caches` (as its GPU worker does) and
+    `restore_kv_caches` on wake-up. Asleep, a planned load is reported failed (vLLM
+    recomputes) and nothing is stored; awake, loads and stores run again."""
+    tokens = prompt(800, seed=42)
+    prefill(engines(store_async=False), "r1", tokens)
+    stored = chunk_keys(redis_client, key_prefix)
+    b = engines(local_cpu=False, store_async=False)
+    connector = b.ranks[0].connector
+    connector.unregister_kv_caches()
+    connector.unregister_kv_caches()  # idempotent
+    _failed_then_recomputed(b, "asleep", tokens)
+    prefill(b, "asleep-new", prompt(600, seed=43))
+    assert retrieved(b) == 0
+    assert chunk_keys(redis_client, key_prefix) == stored
+    connector.restore_kv_caches()
+    prefill(b, "awake", tokens)
+    assert retrieved(b) == 3 * CHUNK
+    prefill(b, "awake-new", prompt(600, seed=44))
+    assert len(chunk_keys(redis_client, key_prefix)) == len(stored) + 2
+
+
+def _failed_then_recomputed(engine: Instance, req_id: str, tokens: list[int]) -> None:
+    """A hit claimed and not loaded: every claimed block reported failed in that step (its
+    fake attention sees the missing KV there, as a real forward would compute over it), then
+    vLLM recomputes and the request ends normally with no further bad read."""
+    engine.add(req_id, tokens, max_tokens=2)
+    out = engine.scheduler.schedule()
+    claimed = out.scheduled_new_reqs[0].num_computed_tokens
+    assert claimed == 3 * CHUNK
+    engine.execute(out)
+    assert engine.invalid_blocks[-1] == set(engine.ranks[0].block_ids[req_id][:claimed // 16])
+    failing = len(engine.bad_reads)
+    engine.run([req_id])
+    assert len(engine.bad_reads) == failing and engine.finished[req_id] == FinishReason.LENGTH
+    engine.bad_reads.clear()
+
+
+def test_a_vllm_outside_the_tested_releases_warns(caplog: pytest.LogCaptureFixture) -> None:
+    from lmcache_remote.integrations import vllm as adapter
+
+    with caplog.at_level(logging.WARNING):
+        adapter._check_version("0.33.0")
+        adapter._check_version("0.32.1+cpu")
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        adapter._check_version("0.34.0")
+    assert "outside the releases" in caplog.text

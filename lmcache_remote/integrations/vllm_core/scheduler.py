@@ -91,6 +91,14 @@ class SchedulerSide:
         self._prompts[req_id] = list(prompt)
         return max(0, end - num_computed)
 
+    def turn_off(self, reason: str) -> None:
+        """A worker's connector is off (its KV cache layout unproven): claim no more hits and
+        plan no more stores (once; logged at ERROR)."""
+        if self.can_load or self.can_save:
+            logger.error("lmcache-remote: no more lookups or stores, a worker turned the "
+                         "connector off: %s", reason)
+        self.can_load = self.can_save = False
+
     def loads_async(self, num_tokens: int) -> bool:
         """Whether a hit of `num_tokens` is offered to vLLM as an asynchronous load."""
         limit = self.async_load_min_tokens

@@ -7,17 +7,20 @@ import dataclasses
 import logging
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
 from lmcache_remote.connectors import PagedKV
 from lmcache_remote.engine import CacheEngine
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span
+from lmcache_remote.integrations.vllm_core.proof import ProvenLayout, proven_layout
 from lmcache_remote.integrations.vllm_core.settings import (
     ConnectorSettings,
     KVGeometry,
     layer_view,
 )
+from lmcache_remote.layout_proof import CacheWriter, LayoutUnproven
 from lmcache_remote.metrics import RateLimitedLogger
 
 logger = logging.getLogger(__name__)
@@ -40,7 +43,9 @@ class WorkerSide:
         self.geometry: KVGeometry | None = None
         self._names: dict[str, int] = {}
         self._layers: list[torch.Tensor] = []
-        self._layout = ""
+        self._reading: ProvenLayout | None = None
+        self.disabled: str | None = None  # why the connector is off on this rank
+        self._asleep = False  # vLLM's sleep mode: the caches are away
         self._block_size = 0
         self._plans: list[RequestPlan] = []
         self._loads: list[_PendingLoad] = []
@@ -63,10 +68,15 @@ class WorkerSide:
         return self.engine is not None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], *, use_mla: bool,
-                 dtype: torch.dtype | None = None, block_size: int | None = None) -> None:
+                 dtype: torch.dtype | None = None, block_size: int | None = None,
+                 writer: CacheWriter | None = None) -> None:
         """Take the per-layer caches (in layer order). `use_mla` and `dtype` come from the KV
         cache spec (see `layer_view`); `block_size` is the scheduler's block size, in which
-        block ids are reported (default: the tensors' own)."""
+        block ids are reported (default: the tensors' own). `writer` is the attention
+        backend's own cache-write op on the first layer: the reading of the caches is proven
+        with it (`proof.proven_layout`), or the connector turns itself off on this rank
+        (`disabled` says why: ERROR logged once, nothing stored or loaded, every planned load
+        reported failed so that vLLM recomputes it)."""
         if not kv_caches:
             raise ValueError("no KV cache layers to register")
         if self.engine is not None:  # registered again (new caches): start over
@@ -78,11 +88,24 @@ class WorkerSide:
             raise ValueError(f"KV cache layers mix layouts {sorted(layouts)}")
         self._names = {name: i for i, name in enumerate(kv_caches)}
         self._layers = [v for v, _ in views]
-        self._layout = layouts.pop()
-        probe = PagedKV(self._layers, [], layout=self._layout)
+        layout = layouts.pop()
+        probe = PagedKV(self._layers, [], layout=layout)
         self._block_size = block_size or probe.block_size
         self.geometry = KVGeometry(probe.num_layers, probe.num_kv_heads, probe.head_size,
-                                   probe.dtype, self._layout == "mla")
+                                   probe.dtype, layout == "mla")
+        try:
+            self._reading = proven_layout(self._layers, layout, writer)
+        except (LayoutUnproven, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
+            self.disabled = f"the KV cache layout could not be proven: {exc}"
+            logger.error("lmcache-remote connector OFF on rank %d: %s (shape %s, %s). Nothing "
+                         "is stored or loaded; inference goes on without the cache.",
+                         self.rank, self.disabled, tuple(self._layers[0].shape), probe.dtype)
+            return
+        self.disabled = None
+        logger.info("rank %d: KV cache layout proven with the backend's write op: %s%s",
+                    self.rank, self._reading.layout,
+                    f" (tiled blocks, read through the op's map, {layout} shape)"
+                    if self._reading.tiled else "")
         meta = self.geometry.metadata(self.model_name, self.world_size, self.rank)
         self.engine = CacheEngine(self.settings.config, meta)
 
@@ -97,6 +120,9 @@ class WorkerSide:
         the rollback and ends it, as does a new load (a resumed request) or its end."""
         self._finish_loads()
         self._abort_stores()
+        if self.disabled is not None or self._asleep:
+            self._refuse(plans)
+            plans = []
         self._plans = [p for p in plans if not p.async_load]
         self._async_plans = [p for p in plans if p.async_load]
         self._loads_started = False
@@ -209,6 +235,22 @@ class WorkerSide:
         errors, self._errors = self._errors, set()
         return errors
 
+    def suspend(self) -> None:
+        """The caches go away (vLLM's sleep): every transfer is finished now, background ones
+        included, and until `resume` no hook touches the caches (planned loads are reported
+        failed, nothing is stored)."""
+        self._finish_loads()
+        self._abort_stores()
+        pending: list[Future[Any]] = [*self._recving.values(),
+                                      *(f for fs in self._saving.values() for f in fs)]
+        for future in pending:
+            future.exception()  # waits; each logs its own failure
+        self._plans, self._async_plans = [], []
+        self._asleep = True
+
+    def resume(self) -> None:
+        self._asleep = False
+
     def close(self) -> None:
         self._finish_loads()
         self._abort_stores()
@@ -218,6 +260,20 @@ class WorkerSide:
         self._loader = self._saver = None
         if self.engine is not None:
             self.engine.close()
+
+    def _refuse(self, plans: Sequence[RequestPlan]) -> None:
+        """The connector is off: every planned load is reported failed (an asynchronous one
+        as finished, so that the request does not wait), and vLLM recomputes it."""
+        for plan in plans:
+            if plan.load is None or plan.load.end <= plan.load.start:
+                continue
+            missed = self._missed_blocks(plan, 0)
+            if plan.async_load:
+                done: Future[set[int]] = Future()
+                done.set_result(missed)
+                self._recving[plan.req_id] = done
+            else:
+                self._errors |= missed
 
     # -- background loads -----------------------------------------------------------------------
 
@@ -282,7 +338,8 @@ class WorkerSide:
     # -- loads --------------------------------------------------------------------------------
 
     def _kv(self, plan: RequestPlan, end: int) -> PagedKV:
-        return PagedKV(self._layers, plan.slot_mapping[:end], layout=self._layout)
+        assert self._reading is not None
+        return self._reading.view(plan.slot_mapping[:end])
 
     def _engine(self) -> CacheEngine:
         if self.engine is None:
