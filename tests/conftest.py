@@ -43,7 +43,9 @@ TEST_REDIS_URL_ENV = "LMCR_TEST_REDIS_URL"
 # tests/vllm_real/ runs inside vLLM 0.33 and needs its environment (its own CUDA torch build):
 # scripts/test.sh runs it there with that environment's python, after this suite. Where vLLM
 # is not importable (the project's .venv) it is not collected.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_real"]
+# tests/vllm_cpu/ runs inside vllm-cpu 0.32.0 (the whole engine, a real forward) the same way,
+# with that environment's python.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_real", "vllm_cpu"]
 MIN_REDIS_VERSION = (7, 0)
 
 

