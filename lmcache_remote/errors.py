@@ -30,7 +30,16 @@ class SerdeError(LmcrError):
 
 
 class CorruptEntryError(SerdeError):
-    """A stored value is not what its key promises (damaged, truncated, foreign, misplaced)."""
+    """A stored value is damaged: a checksum, a length or a part does not agree (deleted
+    where found)."""
+
+
+class ForeignEntryError(SerdeError):
+    """A stored value this reader does not understand (another format version, an unknown
+    codec or dtype) or that is not the one its key names (chunk hash, shape, dtype, token
+    count): a miss, left in place and counted apart from damage, so that engines of two
+    releases can share one Redis during a rolling upgrade without erasing each other's
+    values."""
 
 
 class BackendError(LmcrError):

@@ -50,6 +50,7 @@ PUBLISHED_COUNTERS = {
     "no_room_chunks": "memory.no_room_chunks",
     "remote_incomplete_chunks": "remote.incomplete_chunks",
     "remote_corrupt_chunks": "remote.corrupt_chunks",
+    "remote_foreign_chunks": "remote.foreign_chunks",
     "duplicate_writes_skipped": "remote.duplicate_writes_skipped",
 }
 

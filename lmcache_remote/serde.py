@@ -40,7 +40,7 @@ import torch
 from lmcache_remote.codecs import CODECS as CODECS
 from lmcache_remote.codecs import CODECS_BY_ID, Codec, RawCodec
 from lmcache_remote.codecs import get_codec as get_codec
-from lmcache_remote.errors import CorruptEntryError, SerdeError
+from lmcache_remote.errors import CorruptEntryError, ForeignEntryError, SerdeError
 from lmcache_remote.native import wire as _native  # `address` of a buffer, cheaply (C)
 from lmcache_remote.native import xxh3 as _xxh3
 from lmcache_remote.sizing import plan_part_size
@@ -149,6 +149,10 @@ class ValueHeader:
 
 def _corrupt(message: str) -> CorruptEntryError:
     return CorruptEntryError(f"corrupt value: {message}")
+
+
+def _foreign(message: str) -> ForeignEntryError:
+    return ForeignEntryError(f"foreign value: {message}")
 
 
 def _byte_view(value: object, what: str) -> memoryview:
@@ -338,7 +342,7 @@ class Serde:
         raw = getattr(out, "raw_view", None)  # a MemoryObj keeps its bytes' view made
         if not isinstance(out, torch.Tensor):
             out = out.tensor
-        _check_identity(header, expected_hash, expected_shape, expected_dtype)
+        check_identity(header, expected_hash, expected_shape, expected_dtype)
         if len(stored) != header.part_count:
             raise _corrupt(f"{len(stored)} parts, the header has {header.part_count}")
         views = [_byte_view(part, f"part {i}") for i, part in enumerate(stored)]
@@ -430,8 +434,8 @@ def _parse_header(buf: memoryview) -> ValueHeader:
     num_tokens, chunk_hash, raw_nbytes, part_size, part_count = fields[5 + MAX_NDIM :]
     if magic != MAGIC:
         raise _corrupt(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise _corrupt(f"format version {version}, this reader knows {FORMAT_VERSION} only")
+    if version != FORMAT_VERSION:  # its header may be laid out otherwise: not checkable here
+        raise _foreign(f"format version {version}, this reader knows {FORMAT_VERSION} only")
     if part_count < 1:
         raise _corrupt("part count 0")
     size = header_nbytes(part_count)
@@ -441,11 +445,11 @@ def _parse_header(buf: memoryview) -> ValueHeader:
     if _header_checksum(buf[: size - HEADER_CHECKSUM.size]) != stored_checksum:
         raise _corrupt("header checksum mismatch")
     codec = CODECS_BY_ID.get(codec_id)
-    if codec is None:
-        raise _corrupt(f"unknown codec id {codec_id}")
+    if codec is None:  # the header checksum holds: a codec of a newer release
+        raise _foreign(f"unknown codec id {codec_id}")
     dtype = _DTYPES_BY_CODE.get(dtype_code)
     if dtype is None:
-        raise _corrupt(f"unknown dtype code {dtype_code}")
+        raise _foreign(f"unknown dtype code {dtype_code}")
     if not 1 <= ndim <= MAX_NDIM or any(dims[ndim:]):
         raise _corrupt(f"ndim {ndim} outside 1..{MAX_NDIM} or unused dims not zero: {dims}")
     shape = tuple(dims[:ndim])
@@ -487,20 +491,22 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-def _check_identity(
+def check_identity(
     header: ValueHeader,
     expected_hash: bytes,
     expected_shape: tuple[int, ...] | None,
     expected_dtype: torch.dtype | None,
 ) -> None:
+    """`ForeignEntryError` unless the header names this chunk hash, shape and dtype (a
+    readable value of another chunk or geometry is foreign, not damage)."""
     if bytes(expected_hash) != header.chunk_hash:
-        raise _corrupt(
+        raise _foreign(
             f"value belongs to chunk {header.chunk_hash.hex()}, not {bytes(expected_hash).hex()}"
         )
     if expected_shape is not None and tuple(expected_shape) != header.shape:
-        raise _corrupt(f"shape {header.shape}, expected {tuple(expected_shape)}")
+        raise _foreign(f"shape {header.shape}, expected {tuple(expected_shape)}")
     if expected_dtype is not None and expected_dtype != header.dtype:
-        raise _corrupt(f"dtype {header.dtype}, expected {expected_dtype}")
+        raise _foreign(f"dtype {header.dtype}, expected {expected_dtype}")
 
 
 def _check_values(
@@ -511,7 +517,7 @@ def _check_values(
     expected_dtype: torch.dtype | None,
 ) -> list[memoryview]:
     """Checks identity and lengths; returns the stored bytes of every part, headers cut off."""
-    _check_identity(header, expected_hash, expected_shape, expected_dtype)
+    check_identity(header, expected_hash, expected_shape, expected_dtype)
     if len(values) != header.part_count:
         raise _corrupt(f"{len(values)} values, the header has {header.part_count} parts")
     stored = []

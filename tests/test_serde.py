@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lmcache_remote.errors import CorruptEntryError, SerdeError
+from lmcache_remote.errors import CorruptEntryError, ForeignEntryError, SerdeError
 from lmcache_remote.serde import (
     CODECS,
     DEFAULT_PART_SIZE,
@@ -109,6 +109,25 @@ def assert_bit_equal(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def as_bytes(values: Sequence[object]) -> list[bytes]:
     return [bytes(v) for v in values]  # type: ignore[call-overload]
+
+
+#: Offset of the format version in value 0: a flipped bit there reads as another format
+#: version, whose header this reader cannot check (foreign, left in place, never served).
+VERSION_BYTE = 4
+
+
+def assert_flip_refused(serde: Serde, values: Sequence[bytes], index: int, pos: int,
+                        bit: int) -> None:
+    """Bit `bit` of byte `pos` of value `index` flipped: never served; damage
+    (`CorruptEntryError`) except in the version byte (`ForeignEntryError`)."""
+    damaged = bytearray(values[index])
+    damaged[pos] ^= 1 << bit
+    flipped = [*values[:index], bytes(damaged), *values[index + 1:]]
+    if index == 0 and pos == VERSION_BYTE:
+        with pytest.raises(ForeignEntryError):
+            serde.read_header(flipped[0])
+    else:
+        assert_corrupt(serde, flipped)
 
 
 def assert_corrupt(serde: Serde, values: Sequence[object], expected_hash: bytes = HASH) -> None:
@@ -404,9 +423,7 @@ def test_every_bit_flip_is_caught_on_a_tiny_value(codec: str, part_size: int) ->
     for index, value in enumerate(values):
         for pos in range(len(value)):
             for bit in range(8):
-                damaged = bytearray(value)
-                damaged[pos] ^= 1 << bit
-                assert_corrupt(serde, [*values[:index], bytes(damaged), *values[index + 1 :]])
+                assert_flip_refused(serde, values, index, pos, bit)
 
 
 @pytest.mark.parametrize("codec", ALL_CODECS)
@@ -419,9 +436,8 @@ def test_sampled_bit_flips_are_caught_on_a_large_value(codec: str) -> None:
     rng = random.Random(7)
     for _ in range(300):
         index = rng.randrange(len(values))
-        damaged = bytearray(values[index])
-        damaged[rng.randrange(len(damaged))] ^= 1 << rng.randrange(8)
-        assert_corrupt(serde, [*values[:index], bytes(damaged), *values[index + 1 :]])
+        assert_flip_refused(serde, values, index, rng.randrange(len(values[index])),
+                            rng.randrange(8))
 
 
 @pytest.mark.parametrize("codec", ALL_CODECS)
@@ -463,8 +479,18 @@ def test_truncated_and_extended_values_are_caught(codec: str) -> None:
 )
 @pytest.mark.parametrize("fix_checksum", [True, False])
 def test_header_field_edits_are_caught(changes: dict[str, object], fix_checksum: bool) -> None:
+    """Damage, except what reads as another release's value: another format version (whose
+    header this reader cannot check), or, with a valid header checksum, a codec or dtype this
+    reader does not know: foreign (a miss left in place, DESIGN.md "Redis layout")."""
     serde, values = tiny_values("raw", part_size=12)
-    assert_corrupt(serde, [rewrite_header(values[0], fix_checksum, **changes), *values[1:]])
+    edited = [rewrite_header(values[0], fix_checksum, **changes), *values[1:]]
+    unknown = changes.get("codec_id") == 7 or changes.get("dtype_code") in (0, 200)
+    foreign = "version" in changes or (fix_checksum and unknown)
+    if foreign:
+        with pytest.raises(ForeignEntryError):
+            serde.read_header(edited[0])
+    else:
+        assert_corrupt(serde, edited)
 
 
 def test_codec_swap_is_caught() -> None:
@@ -477,16 +503,16 @@ def test_codec_swap_is_caught() -> None:
 def test_semantic_edits_with_a_valid_checksum_are_caught_by_expectations() -> None:
     serde, values = tiny_values("raw")
     same_size = rewrite_header(values[0], dtype_code=DTYPE_CODES[torch.float16])
-    with pytest.raises(CorruptEntryError, match="dtype"):
+    with pytest.raises(ForeignEntryError, match="dtype"):  # readable, not this chunk's: foreign
         serde.decode([same_size], HASH, expected_dtype=torch.bfloat16)
     reshaped = rewrite_header(values[0], dim1=1, dim2=4)
-    with pytest.raises(CorruptEntryError, match="shape"):
+    with pytest.raises(ForeignEntryError, match="shape"):
         serde.decode([reshaped], HASH, expected_shape=(1, 2, 2, 1, 4))
     out = torch.empty(1, 2, 2, 1, 4, dtype=torch.bfloat16)
     with pytest.raises(CorruptEntryError, match="destination"):
         serde.decode_into(serde.read_header(reshaped), [reshaped], out, HASH)
     rehashed = rewrite_header(values[0], chunk_hash=OTHER_HASH)
-    with pytest.raises(CorruptEntryError, match="chunk"):
+    with pytest.raises(ForeignEntryError, match="chunk"):
         serde.decode([rehashed], HASH)
     assert serde.decode([rewrite_header(values[0], num_tokens=3)], HASH).shape == (1, 2, 2, 1, 4)
     with pytest.raises(CorruptEntryError, match="checksum"):
@@ -511,7 +537,7 @@ def test_random_bytes_are_corrupt() -> None:
 @pytest.mark.parametrize("codec", ALL_CODECS)
 def test_a_value_under_another_chunks_key_is_not_served(codec: str) -> None:
     serde, values = tiny_values(codec)
-    with pytest.raises(CorruptEntryError, match="belongs to chunk"):
+    with pytest.raises(ForeignEntryError, match="belongs to chunk"):
         serde.decode(values, OTHER_HASH)
 
 
@@ -539,13 +565,13 @@ def _decode_all(serde: Serde, values: list[bytes]) -> None:
         header = serde.read_header(values[0])
         out = torch.empty(header.shape, dtype=header.dtype)
         serde.decode_into(header, values, out, HASH)
-    except CorruptEntryError:
+    except (CorruptEntryError, ForeignEntryError):
         pass
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
-def test_arbitrary_bytes_raise_only_corrupt_entry_error(data: bytes) -> None:
+def test_arbitrary_bytes_raise_only_corrupt_or_foreign_entry_errors(data: bytes) -> None:
     _decode_all(Serde(), [data])
     _decode_all(Serde(), [b"LMCR\x01" + data])
 
@@ -561,7 +587,7 @@ _BASE = {codec: tiny_values(codec, part_size=12) for codec in ALL_CODECS}
     tail=st.binary(max_size=8),
     cut=st.integers(0, 8),
 )
-def test_mutated_values_raise_only_corrupt_entry_error(
+def test_mutated_values_raise_only_corrupt_or_foreign_entry_errors(
     codec: str, index: int, edits: list[tuple[int, int]], tail: bytes, cut: int
 ) -> None:
     serde, values = _BASE[codec]

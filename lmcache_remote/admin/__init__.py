@@ -42,6 +42,7 @@ from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.errors import (
     BackendPermissionError,
     CorruptEntryError,
+    ForeignEntryError,
     KeyFormatError,
     LmcrError,
 )
@@ -229,6 +230,6 @@ def describe(entry: Entry, values: list[bytes | None] | None = None) -> dict[str
 def _verify(entry: Entry, values: list[bytes | None]) -> tuple[bool, str | None]:
     try:
         Serde("raw").decode(values, entry.key.hash_bytes)
-    except CorruptEntryError as exc:
+    except (CorruptEntryError, ForeignEntryError) as exc:
         return False, str(exc)
     return True, None

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from lmcache_remote.admin.filters import EntryFilter
-from lmcache_remote.errors import CorruptEntryError
+from lmcache_remote.errors import CorruptEntryError, ForeignEntryError
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.serde import HEADER_FIXED, Serde, ValueHeader, header_nbytes
 from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches
@@ -101,7 +101,7 @@ def _entry(node: Any, raw: bytes, key: CacheEngineKey, head: bytes, strlen: int,
     redis_key = raw.decode("utf-8", "surrogateescape")
     try:
         header = read_header(node, raw, head, strlen)
-    except CorruptEntryError as exc:
+    except (CorruptEntryError, ForeignEntryError) as exc:
         return Entry(key, redis_key, 1, strlen, idle_s, ttl, None, str(exc))
     nbytes = strlen + sum(stored for stored, _ in header.parts[1:])
     return Entry(key, redis_key, header.part_count, nbytes, idle_s, ttl, header)

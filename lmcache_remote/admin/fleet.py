@@ -17,7 +17,8 @@ SUMMED = (
     "lookup_requests", "lookup_tokens", "hit_tokens", "retrieve_tokens", "retrieved_tokens",
     "store_tokens", "stored_tokens", "remote_errors", "remote_hit_chunks", "remote_read_bytes",
     "remote_written_bytes", "local_evicted_chunks", "promise_broken_tokens", "no_room_chunks",
-    "remote_incomplete_chunks", "remote_corrupt_chunks", "duplicate_writes_skipped",
+    "remote_incomplete_chunks", "remote_corrupt_chunks", "remote_foreign_chunks",
+    "duplicate_writes_skipped",
 )  # fmt: skip
 
 

@@ -41,6 +41,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,7 +49,7 @@ from typing import Any
 import redis
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.errors import BackendError, CorruptEntryError
+from lmcache_remote.errors import BackendError, CorruptEntryError, ForeignEntryError
 from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
@@ -57,6 +58,7 @@ from lmcache_remote.serde import (
     HEADER_FIXED,
     Serde,
     ValueHeader,
+    check_identity,
     header_nbytes,
     header_seal,
 )
@@ -91,6 +93,11 @@ _WINDOW_BYTES = 64 * 1024 * 1024
 #: Each costs about 1-2 KiB outside the memory budget (more parts, longer model names cost
 #: more), so this bounds the caches to a few MiB; a full cache is cleared and rebuilt on use.
 _KEY_CACHE_SIZE = 4096
+#: Chunks found foreign (another release's value, left in place) that `contains` reports
+#: absent, so that this process's lookups stop promising what its reads will not serve; for
+#: `_FOREIGN_SECONDS` (the other release may delete or replace the value), at most this many.
+_FOREIGN_KEPT = 4096
+_FOREIGN_SECONDS = 300.0
 #: Gives a read its chunk buffer of so many tokens, or None when there is no room.
 Allocator = Callable[[int], MemoryObj | None]
 #: Connections one `put` writes over at once on a single server (see `RedisTier.put`). Eight,
@@ -143,6 +150,8 @@ class RedisTier(StorageTier):
         self._writers: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
         self._write_budget = ByteBudget(_WINDOW_BYTES)
+        self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
+        self._foreign_lock = threading.Lock()
 
     # -- keys -------------------------------------------------------------------------------
 
@@ -192,7 +201,21 @@ class RedisTier(StorageTier):
             return pipe.execute()
 
         counts = self.caller.call(op)
-        return self._present(specs, key_lists, [int(c) for c in counts])
+        present = self._present(specs, key_lists, [int(c) for c in counts])
+        if self._foreign:
+            present = [p and not self._known_foreign(s.key) for p, s in zip(present, specs,
+                                                                           strict=True)]
+        return present
+
+    def _known_foreign(self, key: CacheEngineKey) -> bool:
+        with self._foreign_lock:
+            seen = self._foreign.get(key)
+            if seen is None:
+                return False
+            if time.monotonic() - seen < _FOREIGN_SECONDS:
+                return True
+            del self._foreign[key]
+            return False
 
     def _present(self, specs: Sequence[ChunkSpec], key_lists: Sequence[Sequence[str]],
                  counts: Sequence[int | None]) -> list[bool]:
@@ -549,6 +572,9 @@ class RedisTier(StorageTier):
                 expected_shape=self.layout.shape(spec.num_tokens),
                 expected_dtype=self.layout.dtype, digests=digests,
             )
+        except ForeignEntryError as exc:
+            self._skip_foreign(spec, exc)
+            return False
         except CorruptEntryError as exc:
             self._drop_corrupt(spec, exc)
             return False
@@ -596,6 +622,9 @@ class RedisTier(StorageTier):
             except BaseException:
                 obj.release()
                 raise
+        except ForeignEntryError as exc:
+            self._skip_foreign(spec, exc)
+            return None
         except CorruptEntryError as exc:
             self._drop_corrupt(spec, exc)
             return None
@@ -604,11 +633,15 @@ class RedisTier(StorageTier):
         return obj
 
     def _read_header(self, spec: ChunkSpec, value0: Any) -> ValueHeader:
+        """The header of value 0, checked to name this chunk before anything else is (a value
+        of another chunk or geometry is foreign, whatever its parts)."""
         header = self.serde.read_header(value0)
         if header.num_tokens != spec.num_tokens:
-            raise CorruptEntryError(
+            raise ForeignEntryError(
                 f"value holds {header.num_tokens} tokens, its key names {spec.num_tokens}"
             )
+        check_identity(header, spec.key.hash_bytes, self.layout.shape(spec.num_tokens),
+                       self.layout.dtype)
         return header
 
     def _all_parts(self, spec: ChunkSpec, header: ValueHeader, values: list[Any]) -> list[Any]:
@@ -622,6 +655,17 @@ class RedisTier(StorageTier):
         elif any(v is None for v in values):
             raise IncompleteChunkError("a part of the chunk is missing (evicted or expired)")
         return values
+
+    def _skip_foreign(self, spec: ChunkSpec, exc: ForeignEntryError) -> None:
+        """A value of another release, or not the one its key names: a miss, left in place
+        (DESIGN.md, "Redis layout": evolution), counted apart from damage."""
+        self.metrics.inc("remote.foreign_chunks")
+        self._log.warning("foreign", "chunk %s left in place, not served: %s",
+                          spec.key.chunk_hash, exc)
+        with self._foreign_lock:
+            if len(self._foreign) >= _FOREIGN_KEPT:
+                self._foreign.pop(next(iter(self._foreign)))
+            self._foreign[spec.key] = time.monotonic()
 
     def _drop_corrupt(self, spec: ChunkSpec, exc: CorruptEntryError) -> None:
         """Count a bad chunk (incomplete: a part evicted; else damaged) and delete its values."""
