@@ -29,6 +29,7 @@ from lmcache_remote.admin.entries import Entry, iter_entries, load_entries
 from lmcache_remote.admin.evict import EvictResult, evict, plan_eviction
 from lmcache_remote.admin.filters import EntryFilter, parse_duration, prompt_chunk_hashes
 from lmcache_remote.admin.fleet import fleet_stats
+from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.admin.server import ServerInfo, server_info
 from lmcache_remote.admin.snapshot import SnapshotError, SnapshotInfo
 from lmcache_remote.admin.stats import GroupStats, group_stats, memory_info
@@ -160,7 +161,12 @@ class CacheAdmin:
             if not found:
                 raise EntryNotFoundError(f"no chunk under {key.redis_key(self.prefix)}")
             entry = found[0]
-            values = self.client.mget(entry.keys) if verify and entry.header else None
+            values = None
+            if verify and entry.header:
+                # MGET would refresh the keys' LRU clocks
+                reads = ReadPipeline(self.client, entry.redis_key)
+                reads.pipe.mget(entry.keys)
+                values = reads.execute()[0]
         return describe(entry, values)
 
     # -- deleting -----------------------------------------------------------------------------

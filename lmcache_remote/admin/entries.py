@@ -1,8 +1,9 @@
 """Chunk entries as the admin tools see them: one `Entry` per chunk key (part index 0).
 
 `iter_entry_batches` streams SCAN pages (`storage.scan.scan_batches`) and turns the chunk keys
-of each page into entries with one pipeline per page: `GETRANGE key 0 4095` (the header; a
-longer header is read again in full), `STRLEN`, `OBJECT IDLETIME`, `PTTL`. Part keys (`#1`,
+of each page into entries with one pipeline per page (`notouch.ReadPipeline`: the keys' LRU
+clocks are left alone): `OBJECT IDLETIME` and `PTTL` of every key first, then `GETRANGE key 0
+4095` (the header; a longer header is read again in full) and `STRLEN`. Part keys (`#1`,
 `#2`, ...) are not entries of their own: the chunk's header names how many there are and how
 long each is, so an entry knows all its keys and its exact size without reading the payload.
 
@@ -20,6 +21,7 @@ from typing import Any
 import redis
 
 from lmcache_remote.admin.filters import EntryFilter
+from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.errors import CorruptEntryError, ForeignEntryError
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.serde import HEADER_FIXED, Serde, ValueHeader, header_nbytes
@@ -74,16 +76,20 @@ def iter_entries(client: Any, prefix: str, flt: EntryFilter,
 def load_entries(node: Any, prefix: str,
                  heads: Sequence[tuple[bytes, CacheEngineKey]]) -> list[Entry]:
     """Entries for chunk keys, one pipeline (plus one per over-long header)."""
-    pipe = node.pipeline(transaction=False)
+    reads = ReadPipeline(node, heads[0][0])  # a cluster's client: inspect's one chunk
+    pipe = reads.pipe
+    for raw, _ in heads:  # idle times before any read (servers without CLIENT NO-TOUCH)
+        pipe.object("idletime", raw)
+        pipe.pttl(raw)
     for raw, _ in heads:
         pipe.getrange(raw, 0, HEADER_READ - 1)
         pipe.strlen(raw)
-        pipe.object("idletime", raw)
-        pipe.pttl(raw)
-    replies = pipe.execute(raise_on_error=False)
+    replies = reads.execute(raise_on_error=False)
+    n = len(heads)
     out = []
     for i, (raw, key) in enumerate(heads):
-        head, strlen, idle, pttl = replies[4 * i: 4 * i + 4]
+        idle, pttl = replies[2 * i: 2 * i + 2]
+        head, strlen = replies[2 * n + 2 * i: 2 * n + 2 * i + 2]
         if isinstance(pttl, Exception):
             raise pttl
         if int(pttl) == -2 or isinstance(strlen, Exception) or int(strlen) == 0:
@@ -113,5 +119,7 @@ def read_header(node: Any, raw: bytes, head: bytes, strlen: int) -> ValueHeader:
         part_count = HEADER_FIXED.unpack_from(head)[-1]
         need = header_nbytes(part_count)
         if need > len(head):
-            head = bytes(node.getrange(raw, 0, need - 1))
+            reads = ReadPipeline(node, raw)
+            reads.pipe.getrange(raw, 0, need - 1)
+            head = bytes(reads.execute()[0])
     return _SERDE.read_header(head)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lmcache_remote.admin.filters import EntryFilter
+from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches, scan_nodes
 
 GroupKey = tuple[str, int, int, str]
@@ -37,10 +38,10 @@ def group_stats(client: Any, prefix: str, flt: EntryFilter | None = None,
     groups: dict[GroupKey, GroupStats] = {}
     for node, raw_keys in scan_batches(client, flt.pattern(prefix), count):
         parsed = flt.matching_values(prefix, raw_keys)
-        pipe = node.pipeline(transaction=False)
+        reads = ReadPipeline(node)  # STRLEN would refresh every key's LRU clock
         for raw, _, _ in parsed:
-            pipe.strlen(raw)
-        for (_, key, index), length in zip(parsed, pipe.execute(), strict=True):
+            reads.pipe.strlen(raw)
+        for (_, key, index), length in zip(parsed, reads.execute(), strict=True):
             gk = (key.model_name, key.world_size, key.worker_id, key.dtype)
             group = groups.get(gk) or groups.setdefault(gk, GroupStats(*gk))
             group.entries += int(index == 0 and int(length) > 0)

@@ -23,6 +23,7 @@ from typing import Any
 
 from lmcache_remote.admin.entries import Entry, iter_entry_batches
 from lmcache_remote.admin.filters import EntryFilter
+from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.admin.snapshot import (
     SnapshotError,
     SnapshotInfo,
@@ -67,12 +68,12 @@ def export_snapshot(client: Any, prefix: str, path: str | os.PathLike[str],
     with SnapshotWriter(path, prefix) as writer:
         for node, _keys, entries in iter_entry_batches(client, prefix, flt):
             for window in _windows(entries):
-                pipe = node.pipeline(transaction=False)
+                reads = ReadPipeline(node)  # GET would refresh every key's LRU clock
                 for entry in window:
                     for key in entry.keys:
-                        pipe.get(key)
-                        pipe.pttl(key)
-                replies = iter(pipe.execute())
+                        reads.pipe.get(key)
+                        reads.pipe.pttl(key)
+                replies = iter(reads.execute())
                 for entry in window:
                     got = [(next(replies), next(replies)) for _ in entry.keys]
                     if any(v is None or int(t) == -2 for v, t in got):

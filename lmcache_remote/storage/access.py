@@ -37,6 +37,10 @@ ENGINE_COMMANDS = ("ping", "exists", "get", "getrange", "set", "mset", "eval", "
                    "expire")
 #: Commands the CLI adds (listing, inspecting, exporting, stats, eviction).
 ADMIN_COMMANDS = ("scan", "strlen", "object|idletime", "pttl", "mget", "hgetall", "info")
+#: What the CLI's reads add where the server has it (Redis 7.2 and newer, Valkey; Redis 7.0
+#: refuses it in ACL SETUSER): `CLIENT NO-TOUCH`, so that listing, stats and export leave the
+#: keys' LRU clocks alone (admin.notouch). Without the right they touch them, as on Redis 7.0.
+ADMIN_NO_TOUCH = ("client|no-touch",)
 _PROBE_TTL_MS = 10_000
 _PROBE = ("mset", "set", "eval", "exists", "get", "getrange", "unlink")
 
