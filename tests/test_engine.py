@@ -56,7 +56,8 @@ def test_keys_in_redis_follow_the_hash_spec(redis_url: str, redis_client: redis.
 
 
 def run_worker(*args: str, seed: str = "0") -> dict:
-    env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(HERE))
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=path)
     proc = subprocess.run([sys.executable, str(HERE / "engine_worker.py"), *args],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -386,11 +386,13 @@ class StorageManager:
         return accepted
 
     def check_remote(self) -> None:
-        """`storage.access.check_access` on the configured Redis (nothing without one); on
-        success the tier's health gate forgets past failures."""
+        """`storage.access.check_access` on the configured Redis (nothing without one), then
+        the tier's own bulk path (`RedisTier.check_bulk`); on success the tier's health gate
+        forgets past failures."""
         if self.remote is None:
             return
         check_access(self.config)
+        self.remote.check_bulk()
         self.remote.gate.reset()
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -49,9 +49,16 @@ from typing import Any
 import redis
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.errors import BackendError, CorruptEntryError, ForeignEntryError
+from lmcache_remote.errors import (
+    BackendError,
+    BackendPermissionError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CorruptEntryError,
+    ForeignEntryError,
+)
 from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.keys import CacheEngineKey, probe_key
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.serde import (
@@ -206,6 +213,26 @@ class RedisTier(StorageTier):
             present = [p and not self._known_foreign(s.key) for p, s in zip(present, specs,
                                                                            strict=True)]
         return present
+
+    def check_bulk(self) -> None:
+        """One `EXISTS` of a probe key through the bulk path (the native loop or its Python
+        twin over redis-py's pool), which every chunk read and write takes and the access check
+        (plain redis-py) does not: a `BackendError` naming the cause when it cannot talk to the
+        server (a redis-py this path does not support), so that a broken cache is loud at
+        start-up instead of silently missing."""
+        if self.wire is None:
+            return
+        wire = self.wire
+        key = probe_key(self.prefix, "bulk")
+        try:
+            reply = self.caller.call(lambda: wire.execute([("EXISTS", key)]))[0]
+        except (BackendUnavailableError, BackendTimeoutError, BackendPermissionError):
+            raise  # the server, not the path: as the access check reports it
+        except Exception as exc:
+            raise BackendError(f"the bulk path (redis-py {redis.__version__}) cannot talk to "
+                               f"Redis: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(reply, int):
+            raise BackendError(f"the bulk path got {reply!r} for EXISTS")
 
     def _known_foreign(self, key: CacheEngineKey) -> bool:
         with self._foreign_lock:

@@ -299,12 +299,23 @@ def _error(text: str) -> ResponseError:
     return ResponseError(text)
 
 
+def _connection_args(pool: Any) -> tuple[str, ...]:
+    """What `pool.get_connection` needs: nothing from redis-py 5.3 on (and a warning for a
+    command name from 6 on); before that a command name (any: the pool only uses it to pick a
+    node in a cluster, which this pool is not)."""
+    import inspect
+
+    param = inspect.signature(pool.get_connection).parameters.get("command_name")
+    return ("_",) if param is not None and param.default is inspect.Parameter.empty else ()
+
+
 class BulkPipeline:
     """Runs batches of commands over one pooled connection each; thread-safe like the pool.
     ``native`` (default `NATIVE`) picks the reader for its batches."""
 
     def __init__(self, client: redis.Redis, *, native: bool | None = None) -> None:
         self.pool = client.connection_pool
+        self._connection_args = _connection_args(self.pool)
         if native and _native is None:
             raise RuntimeError("lmcache_remote._wire is not built (see setup.py)")
         self.native = NATIVE if native is None else native
@@ -335,7 +346,7 @@ class BulkPipeline:
             for seal in seals:
                 if seal is not None:
                     _check_seal(seal)
-        conn = self.pool.get_connection()
+        conn = self.pool.get_connection(*self._connection_args)
         try:
             replies = self._run(conn, commands, sink, reply_sizes, inflight_bytes, digests,
                                 seals)
