@@ -79,6 +79,7 @@ typedef struct {
     int lowat;      /* the socket's SO_RCVLOWAT now */
     int want_lowat; /* what the next wait for input needs: 1, or part of a payload's rest */
     PyThreadState *ts; /* set while the loop runs without the GIL (a list sink), else NULL */
+    long long max_bulk; /* the longest bulk reply accepted: a longer one is refused unread */
 } reader_t;
 
 /* The GIL for a loop that runs without it (r->ts set): gil_take before anything that touches
@@ -100,6 +101,17 @@ static void gil_drop(reader_t *r) {
 static int fail(reader_t *r, PyObject *type, const char *message) {
     gil_take(r);
     PyErr_SetString(type, message);
+    return -1;
+}
+
+/* A bulk reply announced longer than the batch accepts: refused before anything is allocated
+ * or read for it (a server cannot make the engine allocate what it announces). -1, an error
+ * set with the GIL. */
+static int refuse_bulk(reader_t *r, long long length) {
+    gil_take(r);
+    PyErr_Format(PyExc_ValueError,
+                 "protocol error: a bulk reply of %lld bytes, more than the %lld expected",
+                 length, r->max_bulk);
     return -1;
 }
 
@@ -450,8 +462,8 @@ static PyObject *reply_from_line(reader_t *r, Py_ssize_t index, const char *line
         if (value < 0) {
             Py_RETURN_NONE;
         }
-        if (value > PY_SSIZE_T_MAX / 2) {
-            PyErr_SetString(PyExc_ValueError, "protocol error: bulk length too large");
+        if (value > r->max_bulk) {
+            refuse_bulk(r, value);
             return NULL;
         }
         return bulk_reply(r, index, (Py_ssize_t)value, sink);
@@ -880,8 +892,8 @@ static int receive_record(reader_t *r, record_t *rec, places_t *places, Py_ssize
             rec->kind = 'P';
             return 0;
         }
-        if (value > PY_SSIZE_T_MAX / 2) {
-            return fail(r, PyExc_ValueError, "protocol error: bulk length too large");
+        if (value > r->max_bulk) { /* refused before anything is allocated for it */
+            return refuse_bulk(r, value);
         }
         rec->data = PyMem_RawMalloc((size_t)(value ? value : 1));
         if (rec->data == NULL) {
@@ -956,9 +968,13 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     double timeout;
     PyObject *commands, *sizes, *sink, *make_error, *digests = Py_None, *seal_list = Py_None;
     Py_ssize_t inflight;
-    if (!PyArg_ParseTuple(args, "idO!OnOO|OO", &fd, &timeout, &PyList_Type, &commands, &sizes,
-                          &inflight, &sink, &make_error, &digests, &seal_list)) {
+    long long max_bulk = PY_SSIZE_T_MAX / 2;
+    if (!PyArg_ParseTuple(args, "idO!OnOO|OOL", &fd, &timeout, &PyList_Type, &commands, &sizes,
+                          &inflight, &sink, &make_error, &digests, &seal_list, &max_bulk)) {
         return NULL;
+    }
+    if (max_bulk < 0 || max_bulk > PY_SSIZE_T_MAX / 2) {
+        max_bulk = PY_SSIZE_T_MAX / 2;
     }
     Py_ssize_t count = PyList_GET_SIZE(commands);
     size_t slots = (size_t)(count ? count : 1);
@@ -981,6 +997,7 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     r.lowat = r.want_lowat = 1;
     r.ts = NULL;
     r.buf = NULL;
+    r.max_bulk = max_bulk;
     PyObject *out = NULL;
     if (first == NULL) {
         return PyErr_NoMemory();

@@ -13,6 +13,7 @@ def run_batch(
     make_error: Callable[[str], Exception],
     digests: list[int | None] | None = None,
     seals: list[Any] | None = None,
+    max_bulk: int = ...,
 ) -> list[Any]: ...
 
 def copy_rows(jobs: list[tuple[int, int, int, int, Any]], gather: bool) -> None: ...

@@ -891,3 +891,52 @@ def test_both_readers_parse_any_replies_cut_anywhere(
                 out.append(reply)
         results.append(out)
     assert all(r == results[0] for r in results)
+
+
+# -- a server cannot make the reader allocate what it announces ------------------------------
+
+class _Announcer:
+    """A scripted server: to every command it answers a bulk reply of `length` bytes and sends
+    none of them, leaving the connection open (a reader that believed it would wait)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        self.conns.append(conn)
+        conn.recv(65536)
+        conn.sendall(f"${self.length}\r\n".encode())
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+@pytest.mark.filterwarnings("ignore:Call to '__init__' function with deprecated usage")
+@pytest.mark.parametrize("sink", ["none", "callable", "places"])
+def test_a_bulk_reply_longer_than_expected_is_refused_unallocated(native: bool,
+                                                                  sink: str) -> None:
+    """A reply announced as 2**40 bytes (1 TiB) is refused before anything is allocated or
+    read for it, whatever its destination; within the bound the batch works as before."""
+    server = _Announcer(1 << 40)
+    client = redis.Redis(port=server.port, socket_timeout=60, protocol=2, lib_name=None,
+                         lib_version=None)  # no handshake: the first command is ours
+    try:
+        wire = BulkPipeline(client, native=native)
+        sinks = {"none": None, "callable": lambda index, length: bytearray(length),
+                 "places": [bytearray(4096)]}
+        with pytest.raises(redis.ConnectionError, match="more than the 1048576 expected"):
+            wire.execute([("GET", "k")], sinks[sink], max_bulk=1 << 20)
+    finally:
+        client.close()
+        server.close()

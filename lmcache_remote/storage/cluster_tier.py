@@ -339,7 +339,7 @@ class ClusterRedisTier(RedisTier):
                     sink, sizes, ahead, digests = receive
                     return BulkPipeline(client).execute(
                         commands, sink, reply_sizes=sizes, inflight_bytes=ahead,
-                        digests=digests)
+                        digests=digests, max_bulk=self._longest)
                 except redis.ResponseError:
                     pass  # MOVED/ASK/OOM...: redo below, keeping each answer (all idempotent)
             pipe = client.pipeline(transaction=False)

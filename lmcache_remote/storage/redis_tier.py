@@ -114,6 +114,14 @@ WRITE_LANES = 8
 #: Connections one `get` reads over at once on a single server (see `RedisTier._get_wire`).
 READ_LANES = 4
 
+def longest_value(raw_nbytes: int) -> int:
+    """The longest value a chunk of up to ``raw_nbytes`` raw bytes can have, whoever cut it
+    (parts of at least 4 KiB): the whole chunk in one value, a compressing codec's worst-case
+    growth, the header of the most parts. A read refuses a longer reply before allocating
+    anything for it."""
+    return 2 * raw_nbytes + header_nbytes(-(-raw_nbytes // 4096)) + (64 << 10)
+
+
 class RedisTier(StorageTier):
     """The remote tier over one Redis/Valkey server. Thread-safe (redis-py's pool is).
 
@@ -157,6 +165,7 @@ class RedisTier(StorageTier):
         self._writers: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
         self._write_budget = ByteBudget(_WINDOW_BYTES)
+        self._longest = longest_value(layout.nbytes(config.chunk_size))
         self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
         self._foreign_lock = threading.Lock()
 
@@ -576,7 +585,7 @@ class RedisTier(StorageTier):
         def op() -> list[Reply]:
             assert self.wire is not None
             return self.wire.execute(commands, sink, reply_sizes=sizes, inflight_bytes=ahead,
-                                     digests=digests)
+                                     digests=digests, max_bulk=self._longest)
 
         return list(self.caller.call(op))
 

@@ -79,6 +79,10 @@ Seal = tuple[bytearray, list[Any], list[int], int]
 _CRLF = b"\r\n"
 _COALESCE = 64 * 1024  # values smaller than this are copied into the command buffer
 _RECV_CHUNK = 1024 * 1024
+#: The longest bulk reply a batch accepts unless its caller says less (`execute`'s
+#: ``max_bulk``): the largest value serde writes (a part of up to `serde.MAX_PART_SIZE` and
+#: its header) stays under it.
+MAX_BULK = 1 << 31
 _IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 #: Whether `BulkPipeline` runs its batches in the native loop by default (not on TLS).
 NATIVE = _native is not None and os.environ.get("LMCR_NATIVE_WIRE", "1") != "0"
@@ -182,8 +186,9 @@ def pack(args: Sequence[Any]) -> list[BytesLike]:
 class _Reader:
     """Parses RESP replies from a socket with one reused receive buffer."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_bulk: int = MAX_BULK) -> None:
         self.sock = sock
+        self.max_bulk = max_bulk
         self.buf = bytearray(_RECV_CHUNK)
         self.view = memoryview(self.buf)
         self.start = 0
@@ -241,6 +246,9 @@ class _Reader:
             length = int(rest)
             if length < 0:
                 return None
+            if length > self.max_bulk:  # refused before anything is allocated for it
+                raise ValueError(f"protocol error: a bulk reply of {length} bytes, more than "
+                                 f"the {self.max_bulk} expected")
             if sink is None:
                 dest = None
             elif callable(sink):
@@ -323,13 +331,17 @@ class BulkPipeline:
     def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None, *,
                 reply_sizes: Sequence[int] | None = None, inflight_bytes: int = 0,
                 digests: list[int | None] | None = None,
-                seals: Sequence[Seal | None] | None = None) -> list[Reply]:
+                seals: Sequence[Seal | None] | None = None,
+                max_bulk: int = MAX_BULK) -> list[Reply]:
         """Runs the batch. With ``reply_sizes`` (the expected size of each reply) and
         ``inflight_bytes``, commands are sent as the replies come in, so that the replies
         asked for and not yet read add up to at most ``inflight_bytes`` (at least one command
         is always out): Redis then never queues a whole batch of big replies in its output
         buffers (memory it allocates and page-faults per batch), and it prepares the next reply
-        while this side reads the current one. Without them every command goes out first."""
+        while this side reads the current one. Without them every command goes out first.
+        A bulk reply announced longer than ``max_bulk`` bytes fails the batch before anything
+        is allocated for it (a ValueError, "protocol error"): a server, or whatever sits
+        between, cannot make this process allocate what it announces."""
         if not commands:
             return []
         if reply_sizes is not None and len(reply_sizes) != len(commands):
@@ -349,7 +361,7 @@ class BulkPipeline:
         conn = self.pool.get_connection(*self._connection_args)
         try:
             replies = self._run(conn, commands, sink, reply_sizes, inflight_bytes, digests,
-                                seals)
+                                seals, max_bulk)
         except BaseException as exc:
             conn.disconnect()
             self.pool.release(conn)
@@ -368,7 +380,8 @@ class BulkPipeline:
     def _run(self, conn: Any, commands: Sequence[Sequence[Any]], sink: Sink | None,
              reply_sizes: Sequence[int] | None, inflight_bytes: int,
              digests: list[int | None] | None = None,
-             seals: Sequence[Seal | None] | None = None) -> list[Reply]:
+             seals: Sequence[Seal | None] | None = None,
+             max_bulk: int = MAX_BULK) -> list[Reply]:
         sock = conn._sock
         if sock is None:
             conn.connect()
@@ -383,9 +396,9 @@ class BulkPipeline:
                 sock.fileno(), -1.0 if timeout is None else timeout, _packed(commands),
                 None if reply_sizes is None else list(reply_sizes), inflight_bytes,
                 sink if sink is None or callable(sink) else list(sink), _error,
-                digests if DIGESTS else None, None if seals is None else list(seals))
+                digests if DIGESTS else None, None if seals is None else list(seals), max_bulk)
             return replies
-        reader = _Reader(sock)
+        reader = _Reader(sock, max_bulk)
         if reply_sizes is None or inflight_bytes <= 0:
             self._send(sock, commands)
             replies = [reader.reply(i, sink) for i in range(len(commands))]
