@@ -8,8 +8,10 @@ chunks is cut into several windows, as a put of real 32 MiB chunks is."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage import redis_tier
+from lmcache_remote.storage.lanes import background_reads
 from lmcache_remote.storage.redis_commands import ByteBudget, command_key
 from lmcache_remote.storage.redis_tier import RedisTier
 from lmcache_remote.storage.wire import pack
@@ -232,3 +235,63 @@ def test_a_get_over_several_connections_serves_the_prefix_and_frees_the_rest(
     for have in got:
         have.release()
     assert pool.used_bytes == held
+
+
+def test_the_steps_reads_go_before_a_background_load(
+    private_redis: Any, key_prefix: str, pool: MemoryPool, tiers: list[RedisTier],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A background load (`background_reads`) has queued all its windows; a read of the step
+    that comes after takes the next free lane before the background's waiting windows: it
+    waits only for the windows already in flight (one per lane). Redis is paused while both
+    queue up, so the order is the lanes' choice, not the network's."""
+    monkeypatch.setattr(redis_tier, "_WINDOW_BYTES", 2 * CHUNK_BYTES)  # one chunk a window
+    tier = make_tier(private_redis.url, key_prefix, pool)
+    tiers.append(tier)
+    tier.read_lanes = 2
+    background, _ = tier_chunks(DB, LAYOUT, pool, 64 * N_CHUNKS, seed=5)
+    step, _ = tier_chunks(DB, LAYOUT, pool, 64 * N_CHUNKS, seed=6)
+    for specs, seed in ((background, 5), (step, 6)):
+        objs = tier_chunks(DB, LAYOUT, pool, 64 * N_CHUNKS, seed)[1]
+        assert tier.put([s.key for s in specs], objs) == N_CHUNKS
+    started: list[Any] = []
+    two_in_flight = threading.Event()
+    real = tier._get_window
+
+    def spy(window: Sequence[ChunkSpec]) -> Any:
+        started.append(window[0].key)
+        if len(started) == 2:
+            two_in_flight.set()
+        return real(window)
+
+    monkeypatch.setattr(tier, "_get_window", spy)
+    got: dict[str, list[MemoryObj]] = {}
+
+    def read(name: str, specs: list[ChunkSpec], in_background: bool) -> None:
+        with background_reads() if in_background else contextlib.nullcontext():
+            got[name] = tier.get(specs)
+
+    private_redis.pause()
+    try:
+        slow = threading.Thread(target=read, args=("background", background, True))
+        slow.start()
+        assert two_in_flight.wait(30)
+        fast = threading.Thread(target=read, args=("step", step, False))
+        fast.start()
+        lanes = tier._readers
+        assert lanes is not None
+        deadline = time.monotonic() + 30
+        while len(lanes._queues[0]) < N_CHUNKS:  # every step window queued behind the two
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        private_redis.resume()
+    slow.join(30)
+    fast.join(30)
+    assert len(got["background"]) == len(got["step"]) == N_CHUNKS
+    for obj in got["background"] + got["step"]:
+        obj.release()
+    step_keys = {s.key for s in step}
+    order = ["step" if key in step_keys else "background" for key in started]
+    assert order[:2] == ["background", "background"]  # in flight when the step came
+    assert order[2:2 + N_CHUNKS] == ["step"] * N_CHUNKS

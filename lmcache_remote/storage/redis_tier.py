@@ -73,6 +73,7 @@ from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.lanes import LanePool
 from lmcache_remote.storage.redis_commands import (
     ByteBudget,
     IncompleteChunkError,
@@ -163,7 +164,7 @@ class RedisTier(StorageTier):
         self.read_lanes = READ_LANES
         self._write_lock = threading.Lock()
         self._writers: ThreadPoolExecutor | None = None
-        self._readers: ThreadPoolExecutor | None = None
+        self._readers: LanePool | None = None  # the step's reads before background ones
         self._write_budget = ByteBudget(_WINDOW_BYTES)
         self._longest = longest_value(layout.nbytes(config.chunk_size))
         self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
@@ -396,12 +397,14 @@ class RedisTier(StorageTier):
             batch.append((key.part_keys(self.prefix, len(values)), values))
         return self._write(batch, seals)
 
-    def _lane_pool(self, name: str, lanes: int) -> ThreadPoolExecutor:
-        """The thread pool ``name`` (``_writers`` or ``_readers``), started on first use."""
+    def _lane_pool(self, name: str, lanes: int) -> Any:
+        """The lane threads ``name``, started on first use: ``_writers`` (an executor) or
+        ``_readers`` (a `lanes.LanePool`: reads inside `background_reads` yield to others)."""
         with self._write_lock:
-            pool: ThreadPoolExecutor | None = getattr(self, name)
+            pool = getattr(self, name)
             if pool is None:
-                pool = ThreadPoolExecutor(lanes, thread_name_prefix=f"lmcr{name[:-1]}")
+                pool = (LanePool(lanes, "lmcr_reader") if name == "_readers"
+                        else ThreadPoolExecutor(lanes, thread_name_prefix=f"lmcr{name[:-1]}"))
                 setattr(self, name, pool)
             return pool
 

@@ -22,6 +22,7 @@ from lmcache_remote.integrations.vllm_core.settings import (
 )
 from lmcache_remote.layout_proof import CacheWriter, LayoutUnproven
 from lmcache_remote.metrics import RateLimitedLogger
+from lmcache_remote.storage.lanes import background_reads
 
 logger = logging.getLogger(__name__)
 #: Background stores (async_save) that may wait for the saver thread at once. Their chunk
@@ -287,8 +288,8 @@ class WorkerSide:
         the engine, which is thread-safe, and blocks vLLM holds until the load is reported)."""
         span = _span(plan.load)
         hit_end = 0
-        try:
-            with self._loader_stream():
+        try:  # a background load yields the read lanes to the step's loads
+            with self._loader_stream(), background_reads():
                 hit = self._engine().retrieve(plan.token_ids[: span.end], self._kv(plan, span.end),
                                               self._mask(span.skip, span.end),
                                               cache_salt=plan.cache_salt)
