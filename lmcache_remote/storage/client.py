@@ -199,7 +199,9 @@ class RemoteCaller:
 
     def call(self, op: Callable[[], T]) -> T:
         if not self.gate.allow():
-            raise BackendUnavailableError(f"{self.where}: skipped while unhealthy (backing off)")
+            why = "the tier is closed" if self.gate.closed else "skipped while unhealthy " \
+                "(backing off)"
+            raise BackendUnavailableError(f"{self.where}: {why}")
         start = time.monotonic()
         try:
             result = self._with_retry(op, start)
@@ -231,6 +233,6 @@ class RemoteCaller:
         except redis.TimeoutError:
             raise
         except redis.ConnectionError:
-            if time.monotonic() - start > self.timeout / 2:
-                raise
+            if time.monotonic() - start > self.timeout / 2 or self.gate.closed:
+                raise  # too late, or the tier is closing (its connections were cut)
             return op()

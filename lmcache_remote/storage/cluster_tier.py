@@ -30,7 +30,9 @@ node failure, unhealthy after one with any.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,7 +51,7 @@ from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
-from lmcache_remote.storage.redis_tier import Allocator, RedisTier
+from lmcache_remote.storage.redis_tier import Allocator, RedisTier, sockets_in_use
 from lmcache_remote.storage.wire import BulkPipeline, Reply, Seal, Sink, apply_seals
 from lmcache_remote.urls import parse_remote_url
 
@@ -150,6 +152,8 @@ class ClusterRedisTier(RedisTier):
             caller = self._callers.get(node.name)
             if caller is None:
                 gate = HealthGate(self.config.unhealthy_backoff)
+                if self.gate.closed:  # stopped: no node is called any more
+                    gate.close()
                 caller = RemoteCaller(self.config.remote_timeout, gate, f"redis {node.name}")
                 self._callers[node.name] = caller
             return caller
@@ -239,7 +243,23 @@ class ClusterRedisTier(RedisTier):
             for node in cluster.get_primaries()
         )
 
+    def stop_io(self) -> None:
+        """`RedisTier.stop_io` for every node: their gates closed, their connections in use
+        shut down."""
+        super().stop_io()
+        self._connect_caller.gate.close()
+        with self._lock:
+            callers = list(self._callers.values())
+        for caller in callers:
+            caller.gate.close()
+        cluster = self._cluster
+        for node in cluster.get_nodes() if cluster is not None else ():
+            for sock in sockets_in_use(node.redis_connection):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
+        self.stop_io()
         self._executor.shutdown(wait=True)
         super().close()
 

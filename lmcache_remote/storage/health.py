@@ -26,14 +26,23 @@ class HealthGate:
         self._failures = 0
         self._until = 0.0
         self._probing = False
+        self.closed = False
 
     @property
     def healthy(self) -> bool:
         return self._failures == 0
 
-    def allow(self) -> bool:
-        """Whether a remote call may be made now (False while backing off or probing)."""
+    def close(self) -> None:
+        """No remote call is allowed any more (the tier is closing)."""
         with self._lock:
+            self.closed = True
+
+    def allow(self) -> bool:
+        """Whether a remote call may be made now (False while backing off or probing, and for
+        ever once closed)."""
+        with self._lock:
+            if self.closed:
+                return False
             if self._failures == 0:
                 return True
             if self._probing or self._clock() < self._until:

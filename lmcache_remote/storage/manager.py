@@ -159,11 +159,17 @@ class WriteBehindQueue:
         return len(self._items) + int(self._busy)
 
     def close(self, timeout: float) -> None:
+        """Flush for up to `timeout`, then stop. A write still in flight then (a paused or
+        crawling server) is cut off (`RedisTier.stop_io`) and what is left queued is dropped:
+        when this returns, the writer thread has ended and does no more I/O."""
         self.flush(timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._remote.stop_io()  # the write in flight fails now, the rest is refused
+            self._thread.join()
 
     def _run(self) -> None:
         while True:

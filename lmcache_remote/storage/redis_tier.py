@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -114,6 +115,17 @@ Allocator = Callable[[int], MemoryObj | None]
 WRITE_LANES = 8
 #: Connections one `get` reads over at once on a single server (see `RedisTier._get_wire`).
 READ_LANES = 4
+
+def sockets_in_use(client: Any) -> list[socket.socket]:
+    """The sockets of the connections of `client`'s pool that some thread holds now (every
+    connection of a `BlockingConnectionPool`, which does not keep the two apart)."""
+    pool = getattr(client, "connection_pool", None)
+    in_use = getattr(pool, "_in_use_connections", None)
+    if in_use is None:
+        in_use = getattr(pool, "_connections", None) or ()
+    return [sock for conn in list(in_use)
+            if (sock := getattr(conn, "_sock", None)) is not None]
+
 
 def longest_value(raw_nbytes: int) -> int:
     """The longest value a chunk of up to ``raw_nbytes`` raw bytes can have, whoever cut it
@@ -430,7 +442,25 @@ class RedisTier(StorageTier):
         names = [k for key in keys for k in key.part_keys(self.prefix, full)]
         return names, {key.redis_key(self.prefix) for key in keys}
 
+    def stop_io(self) -> None:
+        """No new remote call starts (the health gate closes for good), and every call in
+        flight fails now: each connection in use is shut down (`socket.shutdown`: a send or
+        receive blocked on a paused or slow server returns at once, in redis-py or in the
+        native loop). The sockets stay open, so their descriptors cannot be reused under a
+        thread that still holds one; `close` closes them once every thread is done."""
+        self.gate.close()
+        for sock in sockets_in_use(self.client):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def sockets_busy(self) -> bool:
+        """Whether some thread holds one of the client's connections now (is doing I/O)."""
+        return bool(sockets_in_use(self.client))
+
     def close(self) -> None:
+        """Stops all I/O (`stop_io`), waits for the lane threads, then closes the client: after
+        this returns no thread of the tier does any I/O."""
+        self.stop_io()
         with self._write_lock:
             pools, self._writers, self._readers = (self._writers, self._readers), None, None
         for pool in pools:
