@@ -41,6 +41,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #define BUF_SIZE (64 * 1024)   /* receive buffer: header lines and small replies */
 #define TAIL_MAX (16 * 1024)   /* buffer bytes a payload read may also fill */
@@ -80,7 +81,25 @@ typedef struct {
     int want_lowat; /* what the next wait for input needs: 1, or part of a payload's rest */
     PyThreadState *ts; /* set while the loop runs without the GIL (a list sink), else NULL */
     long long max_bulk; /* the longest bulk reply accepted: a longer one is refused unread */
+    double deadline;    /* CLOCK_MONOTONIC seconds the whole batch must end by; < 0: none */
 } reader_t;
+
+static double monotonic_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* How long the next wait may last: the socket's timeout, cut to what is left of the batch's
+ * deadline (0 once it has passed: the wait then fails at once unless the socket is ready). */
+static int wait_budget_ms(const reader_t *r) {
+    if (r->deadline < 0) {
+        return r->timeout_ms;
+    }
+    double left = (r->deadline - monotonic_s()) * 1000.0;
+    int ms = left <= 0 ? 0 : left >= (double)INT_MAX ? INT_MAX : (int)(left + 0.999);
+    return r->timeout_ms >= 0 && r->timeout_ms < ms ? r->timeout_ms : ms;
+}
 
 /* The GIL for a loop that runs without it (r->ts set): gil_take before anything that touches
  * a Python object or sets an error, gil_drop after. Both do nothing when already so. */
@@ -166,6 +185,11 @@ static Py_ssize_t socket_io(reader_t *r, short events, struct iovec *iov, int io
         int err = 0;
         PyThreadState *save = free_running ? NULL : PyEval_SaveThread();
         for (;;) {
+            if (r->deadline >= 0 && monotonic_s() >= r->deadline) {
+                n = -1; /* the whole batch's time is up, however fast bytes still trickle */
+                err = ETIMEDOUT;
+                break;
+            }
             if (events == POLLIN) {
                 n = readv(r->fd, iov, iovcnt);
             } else {
@@ -183,7 +207,7 @@ static Py_ssize_t socket_io(reader_t *r, short events, struct iovec *iov, int io
                 if (events == POLLIN) {
                     set_lowat(r, r->want_lowat);
                 }
-                if (wait_fd(r->fd, events, r->timeout_ms) == 0) {
+                if (wait_fd(r->fd, events, wait_budget_ms(r)) == 0) {
                     continue;
                 }
             }
@@ -969,8 +993,10 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     PyObject *commands, *sizes, *sink, *make_error, *digests = Py_None, *seal_list = Py_None;
     Py_ssize_t inflight;
     long long max_bulk = PY_SSIZE_T_MAX / 2;
-    if (!PyArg_ParseTuple(args, "idO!OnOO|OOL", &fd, &timeout, &PyList_Type, &commands, &sizes,
-                          &inflight, &sink, &make_error, &digests, &seal_list, &max_bulk)) {
+    double left = -1.0; /* seconds the whole batch may take; < 0: no deadline */
+    if (!PyArg_ParseTuple(args, "idO!OnOO|OOLd", &fd, &timeout, &PyList_Type, &commands,
+                          &sizes, &inflight, &sink, &make_error, &digests, &seal_list,
+                          &max_bulk, &left)) {
         return NULL;
     }
     if (max_bulk < 0 || max_bulk > PY_SSIZE_T_MAX / 2) {
@@ -998,6 +1024,7 @@ static PyObject *run_batch(PyObject *self, PyObject *args) {
     r.ts = NULL;
     r.buf = NULL;
     r.max_bulk = max_bulk;
+    r.deadline = left < 0 ? -1.0 : monotonic_s() + left;
     PyObject *out = NULL;
     if (first == NULL) {
         return PyErr_NoMemory();

@@ -14,6 +14,7 @@ def run_batch(
     digests: list[int | None] | None = None,
     seals: list[Any] | None = None,
     max_bulk: int = ...,
+    deadline_in: float = ...,
 ) -> list[Any]: ...
 
 def copy_rows(jobs: list[tuple[int, int, int, int, Any]], gather: bool) -> None: ...

@@ -34,7 +34,7 @@ from lmcache_remote.storage.redis_commands import chunk_write_command
 #: chunk cut into other parts than planned, and EVAL of a script that SETs a multi-part chunk's
 #: values with PX when `remote_ttl` is set; fleet stats: HSET EXPIRE; the access check: PING).
 ENGINE_COMMANDS = ("ping", "exists", "get", "getrange", "set", "mset", "eval", "unlink", "hset",
-                   "expire")
+                   "expire", "touch")
 #: Commands the CLI adds (listing, inspecting, exporting, stats, eviction).
 ADMIN_COMMANDS = ("scan", "strlen", "object|idletime", "pttl", "mget", "hgetall", "info")
 #: What the CLI's reads add where the server has it (Redis 7.2 and newer, Valkey; Redis 7.0

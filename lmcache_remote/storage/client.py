@@ -39,6 +39,7 @@ from lmcache_remote.errors import (
     BackendUnavailableError,
     ConfigError,
 )
+from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.urls import RemoteURL, parse_remote_url
 
@@ -204,7 +205,8 @@ class RemoteCaller:
             raise BackendUnavailableError(f"{self.where}: {why}")
         start = time.monotonic()
         try:
-            result = self._with_retry(op, start)
+            with call_deadline(self.timeout):  # the whole call, however slow the link
+                result = self._with_retry(op, start)
         except redis.ResponseError as exc:
             # The server answered (OOM under noeviction, NOPERM, ...): it is alive, so reads
             # must go on; only a cluster that reports itself down counts against its health.

@@ -62,7 +62,9 @@ class LanePool:
         with self._cond:
             if self._closed:
                 raise RuntimeError("lane pool is shut down")
-            self._queues[1 if in_background() else 0].append((future, fn, args))
+            # run in a copy of the caller's context: its kind and its call's deadline
+            task = (future, contextvars.copy_context(), fn, args)
+            self._queues[1 if in_background() else 0].append(task)
             self._cond.notify()
         return future
 
@@ -74,11 +76,11 @@ class LanePool:
                 queue = self._queues[0] or self._queues[1]
                 if not queue:  # closed and drained
                     return
-                future, fn, args = queue.popleft()
+                future, context, fn, args = queue.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = fn(*args)
+                result = context.run(fn, *args)
             except BaseException as exc:
                 future.set_exception(exc)
             else:

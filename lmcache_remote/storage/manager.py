@@ -286,6 +286,8 @@ class StorageManager:
         for is_local, count in tokens.items():
             if count:
                 self.metrics.inc(f"{'local' if is_local else 'remote'}.lookup_hit_tokens", count)
+        if hits and self.remote is not None:  # promised: Redis's LRU must see them used
+            self.remote.touch_later(specs[:hits])
         return hits
 
     def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
@@ -318,6 +320,10 @@ class StorageManager:
         from_local = [o is not None for o in local]
         out = _merge_prefix(local, remote)
         self._count_hits(specs[: len(out)], from_local, out)
+        if self.remote is not None:  # served here, unseen by Redis (its GETs saw the rest)
+            served = [s for s, here in zip(specs[: len(out)], from_local, strict=False) if here]
+            if served:
+                self.remote.touch_later(served)
         return out
 
     def _count_hits(self, specs: Sequence[ChunkSpec], from_local: Sequence[bool],

@@ -73,6 +73,7 @@ from lmcache_remote.serde import (
 from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.client import RemoteCaller, make_client
+from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.lanes import LanePool
 from lmcache_remote.storage.redis_commands import (
@@ -85,6 +86,7 @@ from lmcache_remote.storage.redis_commands import (
     regroup,
     value_nbytes,
 )
+from lmcache_remote.storage.toucher import Toucher
 from lmcache_remote.storage.wire import (
     ArenaPool,
     BulkPipeline,
@@ -179,6 +181,7 @@ class RedisTier(StorageTier):
         self._readers: LanePool | None = None  # the step's reads before background ones
         self._write_budget = ByteBudget(_WINDOW_BYTES)
         self._longest = longest_value(layout.nbytes(config.chunk_size))
+        self.toucher = Toucher(self._send_touches, metrics, self._log)
         self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
         self._foreign_lock = threading.Lock()
 
@@ -305,10 +308,13 @@ class RedisTier(StorageTier):
         return list(self.caller.call(op))
 
     def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
+        """The leading run of good chunks; the whole read, every window on every lane, ends
+        within `remote_timeout` (`deadline.call_deadline`): a read cut short there raises."""
         out: list[MemoryObj] = []
         try:
             if self._fast_reads():
-                self._get_wire(specs, out)
+                with call_deadline(self.config.remote_timeout):
+                    self._get_wire(specs, out)
                 return out
             for window in self._windows(specs):
                 values = self._fetch([self._keys(s) for s in window])
@@ -453,6 +459,22 @@ class RedisTier(StorageTier):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
+    def touch_later(self, specs: Sequence[ChunkSpec]) -> None:
+        """Refresh these chunks' LRU clocks in Redis soon (`toucher.Toucher`): chunks a lookup
+        promised or the local tier served, which Redis does not see read."""
+        self.toucher.note([key for spec in specs for key in self._keys(spec)])
+
+    def _send_touches(self, commands: list[tuple[Any, ...]]) -> None:
+        def op() -> list[Any]:
+            if self.wire is not None:
+                return self.wire.execute(commands)
+            pipe = self.client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(pipe.execute())
+
+        self.caller.call(op)
+
     def sockets_busy(self) -> bool:
         """Whether some thread holds one of the client's connections now (is doing I/O)."""
         return bool(sockets_in_use(self.client))
@@ -460,6 +482,7 @@ class RedisTier(StorageTier):
     def close(self) -> None:
         """Stops all I/O (`stop_io`), waits for the lane threads, then closes the client: after
         this returns no thread of the tier does any I/O."""
+        self.toucher.close()
         self.stop_io()
         with self._write_lock:
             pools, self._writers, self._readers = (self._writers, self._readers), None, None

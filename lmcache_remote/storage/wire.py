@@ -56,6 +56,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
@@ -64,6 +65,7 @@ from redis.exceptions import ResponseError
 
 from lmcache_remote.native import DIGESTS, xxh3
 from lmcache_remote.native import wire as _native  # the C loop, or None: Python does it all
+from lmcache_remote.storage.deadline import current as _deadline
 
 BytesLike = bytes | bytearray | memoryview
 Reply = bytes | memoryview | list[memoryview] | int | None | ResponseError
@@ -84,6 +86,7 @@ _RECV_CHUNK = 1024 * 1024
 #: its header) stays under it.
 MAX_BULK = 1 << 31
 _IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
+
 #: Whether `BulkPipeline` runs its batches in the native loop by default (not on TLS).
 NATIVE = _native is not None and os.environ.get("LMCR_NATIVE_WIRE", "1") != "0"
 
@@ -186,9 +189,12 @@ def pack(args: Sequence[Any]) -> list[BytesLike]:
 class _Reader:
     """Parses RESP replies from a socket with one reused receive buffer."""
 
-    def __init__(self, sock: socket.socket, max_bulk: int = MAX_BULK) -> None:
+    def __init__(self, sock: socket.socket, max_bulk: int = MAX_BULK,
+                 until: float | None = None) -> None:
         self.sock = sock
         self.max_bulk = max_bulk
+        self.until = until  # the batch's deadline (time.monotonic()), or None
+        self.timeout = sock.gettimeout()
         self.buf = bytearray(_RECV_CHUNK)
         self.view = memoryview(self.buf)
         self.start = 0
@@ -201,10 +207,21 @@ class _Reader:
             tail = self.end - self.start
             self.buf[:tail] = self.buf[self.start:self.end]
             self.start, self.end = 0, tail
+        self.arm()
         n = self.sock.recv_into(self.view[self.end:])
         if n == 0:
             raise redis.ConnectionError("connection closed by the server")
         self.end += n
+
+    def arm(self) -> None:
+        """The socket's timeout for the next call: its own, cut to what is left of the
+        batch's deadline; a timeout at once when nothing is left."""
+        if self.until is None:
+            return
+        left = self.until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        self.sock.settimeout(left if self.timeout is None else min(left, self.timeout))
 
     def line(self) -> bytes:
         while True:
@@ -227,6 +244,7 @@ class _Reader:
                 self.start += have
                 pos = have
             while pos < len(dest):
+                self.arm()
                 n = self.sock.recv_into(dest[pos:])
                 if n == 0:
                     raise redis.ConnectionError("connection closed by the server")
@@ -390,16 +408,30 @@ class BulkPipeline:
         if seals is not None and not (native and DIGESTS):
             apply_seals(seals)  # no native XXH3 to seal as it sends: all of them first
             seals = None
+        until = _deadline()
         if native:
             timeout = sock.gettimeout()
+            left = -1.0 if until is None else max(0.0, until - time.monotonic())
             replies: list[Reply] = _native.run_batch(
                 sock.fileno(), -1.0 if timeout is None else timeout, _packed(commands),
                 None if reply_sizes is None else list(reply_sizes), inflight_bytes,
                 sink if sink is None or callable(sink) else list(sink), _error,
-                digests if DIGESTS else None, None if seals is None else list(seals), max_bulk)
+                digests if DIGESTS else None, None if seals is None else list(seals), max_bulk,
+                left)
             return replies
-        reader = _Reader(sock, max_bulk)
+        reader = _Reader(sock, max_bulk, until)
+        try:
+            return self._run_python(reader, commands, sink, reply_sizes, inflight_bytes)
+        finally:
+            sock.settimeout(reader.timeout)  # the connection goes back to the pool as it came
+
+    def _run_python(self, reader: _Reader, commands: Sequence[Sequence[Any]],
+                    sink: Sink | None, reply_sizes: Sequence[int] | None,
+                    inflight_bytes: int) -> list[Reply]:
+        """`_run` with the Python reader: sends as `execute` says, reads every reply."""
+        sock = reader.sock
         if reply_sizes is None or inflight_bytes <= 0:
+            reader.arm()
             self._send(sock, commands)
             replies = [reader.reply(i, sink) for i in range(len(commands))]
         else:
@@ -413,6 +445,7 @@ class BulkPipeline:
                     outstanding += reply_sizes[end]
                     end += 1
                 if end > sent:
+                    reader.arm()
                     self._send(sock, commands[sent:end])
                     sent = end
                 replies.append(reader.reply(i, sink))

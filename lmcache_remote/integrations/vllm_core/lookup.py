@@ -92,6 +92,8 @@ class PrefixLookup:
             pos += len(specs)
             hits = min(hits, next((i for i, ok in enumerate(found) if not ok), len(specs)))
         hits = self._within_read_share(per_ns[0], hits)
+        if hits:  # promised: Redis's LRU must see them used (EXISTS does not refresh it)
+            self._remote.touch_later([spec for specs in per_ns for spec in specs[:hits]])
         hit_tokens = per_ns[0][hits - 1].end if hits else 0
         self.metrics.inc("lookup.hit_tokens", hit_tokens)
         return hit_tokens

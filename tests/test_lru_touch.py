@@ -1,0 +1,67 @@
+"""Redis's LRU sees what is used: chunks a lookup promises or the local tier serves are
+refreshed with TOUCH (`storage.toucher`), so under `allkeys-lru` the hot prefixes stay.
+
+A hot prefix lives in an engine's local tier: its retrieves never reach Redis, and a lookup's
+EXISTS does not refresh a key. Written first and never read in Redis, it looked the coldest
+and went first. Here the hot prefix and a cold set are written, both grow idle (polled, 2 s),
+the engine serves the hot prefix from its local tier, then Redis is made to evict about 70% of
+the old keys. With the refresh every hot chunk stays; without it (the refresh turned off in
+this process) the hot chunks are as old as the cold ones and nearly all go (each one stays
+with a chance of about 0.3: all eight staying is ~1e-4).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+from cliutil import chunk_keys
+from faultkit import check_retrieve, det_kv, sentinel_kv
+from kvutil import engine, tokens
+
+from lmcache_remote.storage.toucher import Toucher
+
+HOT, COLD1, COLD2 = 8 * 256, 200 * 256, 140 * 256
+
+
+def _store(url: str, prefix: str, toks: list[int]) -> None:
+    with engine(url, prefix, store_async=False, local_cpu=False,
+                stats_publish_interval=None) as e:
+        assert e.store(toks, det_kv(toks)) == len(toks)
+
+
+@pytest.mark.parametrize("touch", [True, False], ids=["refreshed", "not-refreshed"])
+def test_hot_prefixes_served_locally_stay_in_redis(
+        redis_factory: Any, key_prefix: str, touch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not touch:
+        monkeypatch.setattr(Toucher, "note", lambda self, keys: None)
+    server = redis_factory("--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10")
+    client = redis.Redis.from_url(server.url)
+    hot = tokens(HOT, seed=1)
+    with engine(server.url, key_prefix, store_async=False, max_local_cpu_size=0.25,
+                stats_publish_interval=None) as e:
+        assert e.store(hot, det_kv(hot)) == HOT
+        hot_keys = chunk_keys(client, key_prefix)
+        _store(server.url, key_prefix, tokens(COLD1, seed=2))
+        deadline = time.monotonic() + 60
+        while min(int(client.object("idletime", k)) for k in hot_keys) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        dst, read = sentinel_kv(HOT)
+        assert e.lookup(hot) == HOT
+        assert check_retrieve(e.retrieve(hot, dst), hot, read) == HOT  # from the local tier
+        assert e.stats()["local"].get("hit_tokens", 0) >= HOT
+        e.storage.remote.toucher.flush()  # what its thread sends within a second
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", used + (256 << 10))
+        _store(server.url, key_prefix, tokens(COLD2, seed=3))
+        assert int(client.info("stats")["evicted_keys"]) > 0
+        left = client.exists(*hot_keys)
+        if touch:
+            assert e.stats()["remote"].get("touched_keys", 0) >= len(hot_keys)
+            assert left == len(hot_keys)
+        else:
+            assert left < len(hot_keys)

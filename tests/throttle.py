@@ -1,0 +1,63 @@
+"""A TCP proxy whose replies crawl: a slow link rather than a dead one, for tests.
+
+`Throttle(target_port, rate)` listens on a free loopback port; every connection to it is
+joined to the target, requests pass at once and replies are forwarded at about `rate` bytes a
+second (16 KiB at a time, then a pause). `rate` may be changed while it runs. `close()` stops
+it and its pumps (each loop ends when a socket closes or the proxy is closed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+_PIECE = 16 * 1024
+
+
+class Throttle:
+    def __init__(self, target_port: int, rate: float) -> None:
+        self.rate = rate
+        self._target = target_port
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._closed = threading.Event()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True, name="throttle-accept").start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            self._socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, None),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True),
+                             daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, slow: bool | None) -> None:
+        with contextlib.suppress(OSError):
+            while not self._closed.is_set():
+                data = src.recv(_PIECE)
+                if not data:
+                    break
+                if slow:
+                    time.sleep(len(data) / self.rate)
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._server.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.close()
