@@ -32,9 +32,10 @@ from typing import IO, Any
 
 import redis
 
-from soak.faults import FaultInjector
+from soak.faults import FREE_RATE, FaultInjector
 from soak.settings import MIB, SoakSettings
 from tests.servers import RedisServer
+from tests.throttle import Throttle
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 300.0  # imports + warm-up of every engine on a loaded 2-core machine
@@ -115,16 +116,19 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> Soak
     engines: list[EngineRun] = []
     result = SoakResult(settings, engines, [], [], None)
     injector: FaultInjector | None = None
+    link: Throttle | None = None
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         server.start()
+        # the engines reach Redis through a proxy whose link the slow-link fault turns down
+        link = Throttle(server.port, FREE_RATE)
         result.redis_pid = server.pid
         log(f"redis-server pid {server.pid} on {server.url}, maxmemory "
             f"{settings.redis_maxmemory_mib} MiB allkeys-lru; key prefix {prefix}")
         inbox: queue.Queue[tuple[EngineRun, dict[str, Any] | None]] = queue.Queue()
         for i, role in enumerate(settings.engines):
             name = f"e{i}-{role}"
-            spec = _engine_spec(settings, name, role, i, server.url, prefix)
+            spec = _engine_spec(settings, name, role, i, link.url, prefix)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "soak.worker", json.dumps(spec)], cwd=ROOT,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_env())
@@ -139,7 +143,7 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> Soak
         log(f"{len(engines)} engines warm; running {settings.seconds:g} s, mode {settings.mode}")
         if settings.mode != "fault-free":
             injector = FaultInjector(server, prefix, settings.remote_timeout, maxmemory,
-                                     settings.fault_interval, settings.seed)
+                                     settings.fault_interval, settings.seed, link)
             injector.start(t0, settings.fault_start, settings.seconds - settings.fault_interval)
         _collect(settings, engines, inbox, server, t0, end, result, log)
     except (KeyboardInterrupt, _Interrupted):
@@ -158,6 +162,8 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> Soak
                 injector.stop()
                 result.faults = injector.events
             _stop_engines(engines)
+            if link is not None:
+                link.close()
             server.stop()
         finally:
             signal.signal(signal.SIGINT, old_int)

@@ -8,7 +8,13 @@ Each fault is a real server-side event on the soak's private redis-server, none 
 - `debug-sleep`: `DEBUG SLEEP 1.5 x remote_timeout` (the server hangs, then answers);
 - `delete-parts`: `UNLINK` up to 20 part keys (`...}#1`), leaving their chunks incomplete;
 - `squeeze`: `CONFIG SET maxmemory` to a quarter for 2 s (mass LRU eviction), then back;
-- `kill-restart`: SIGKILL, then a restart on the same port (an empty server).
+- `kill-restart`: SIGKILL, then a restart on the same port (an empty server);
+- `slow-link`: the engines' link crawls (their traffic goes through `tests/throttle.Throttle`;
+  replies forwarded at 300 KiB/s) for 2.5 x remote_timeout, then runs free again: every call
+  must still end by its deadline, what did not arrive is a miss;
+- `next-release`: up to 20 stored chunks become a next release's values (their header's
+  format version set to 2, the header checksum left as it was: this reader must not read
+  further): misses, left in place, never served.
 
 `FaultInjector` runs them from its own thread between `start()` and `stop()`; `events` lists
 what was done when (seconds since the run's T0) and what it touched. A fault that cannot be
@@ -26,10 +32,14 @@ from typing import Any
 import redis
 
 from lmcache_remote.keys import PART_SEP, scan_pattern
+from lmcache_remote.serde import MAGIC
 from tests.servers import RedisServer
 
-ROTATION = ("pause", "client-kill", "corrupt", "debug-sleep", "delete-parts", "squeeze",
-            "kill-restart")
+ROTATION = ("pause", "client-kill", "corrupt", "slow-link", "debug-sleep", "delete-parts",
+            "next-release", "squeeze", "kill-restart")
+#: Bytes a second the engines' link forwards replies at during `slow-link`; otherwise free.
+SLOW_RATE = 300 * 1024
+FREE_RATE = float(1 << 40)
 _SAMPLE = 20
 
 
@@ -37,8 +47,10 @@ class FaultInjector:
     """Applies `ROTATION` to `server`, one fault per `interval` from `start_at` (run seconds)."""
 
     def __init__(self, server: RedisServer, prefix: str, remote_timeout: float,
-                 maxmemory: int, interval: float, seed: int) -> None:
+                 maxmemory: int, interval: float, seed: int, link: Any = None) -> None:
+        """`link`: the engines' `Throttle` (its `rate` is what `slow-link` turns down)."""
         self.server = server
+        self.link = link
         self.prefix = prefix
         self.remote_timeout = remote_timeout
         self.maxmemory = maxmemory
@@ -154,6 +166,32 @@ class FaultInjector:
             client.config_set("maxmemory", self.maxmemory)
             client.close()
         return {"low": low}
+
+    def _slow_link(self) -> dict[str, Any]:
+        held = 2.5 * self.remote_timeout
+        if self.link is None:
+            raise RuntimeError("slow-link needs the engines' traffic through a Throttle")
+        self.link.rate = SLOW_RATE
+        try:
+            self._stop.wait(held)
+        finally:
+            self.link.rate = FREE_RATE
+        return {"held": held, "rate": SLOW_RATE}
+
+    def _next_release(self) -> dict[str, Any]:
+        client = self._client()
+        marked = 0
+        try:
+            for key in self._sample_keys(client, parts_only=False):
+                if PART_SEP.encode() in key:
+                    continue  # value 0 holds the header
+                head = client.getrange(key, 0, 4)
+                if isinstance(head, bytes) and head[:4] == MAGIC and len(head) == 5:
+                    client.setrange(key, 4, b"\x02")  # format version 2
+                    marked += 1
+        finally:
+            client.close()
+        return {"values": marked}
 
     def _kill_restart(self) -> dict[str, Any]:
         self.server.kill()

@@ -156,15 +156,15 @@ def _alive(pid: int) -> bool:
 def test_short_soak_passes_and_leaves_nothing_behind(tmp_path: Path) -> None:
     report = tmp_path / "soak.json"
     proc = _soak(["--minutes", "1.5", "--mode", "both", "--window", "5", "--local-mib", "4",
-                  "--json", str(report)])
+                  "--fault-interval", "4", "--json", str(report)])
     out, _ = proc.communicate(timeout=840)
     assert report.exists(), out
     doc = json.loads(report.read_text())
     failed = [c for c in doc["criteria"] if not c["ok"]]
     assert proc.returncode == 0 and doc["passed"] and not failed, out[-6000:]
     kinds = {f["fault"] for f in doc["faults"]}
-    assert kinds == {"pause", "client-kill", "corrupt", "debug-sleep", "delete-parts",
-                     "squeeze", "kill-restart"}
+    assert kinds == {"pause", "client-kill", "corrupt", "slow-link", "debug-sleep",
+                     "delete-parts", "next-release", "squeeze", "kill-restart"}
     for name, engine in doc["engines"].items():
         assert engine["judged_windows"] >= 1, name  # the ratio was judged after the fill
         assert engine["wrong_tokens"] == 0 and engine["exceptions"] == 0
