@@ -73,20 +73,24 @@ class Engine:
         self._results.close()
 
 
-def save_model(folder: Path) -> Path:
+def save_model(folder: Path, *, layers: int = 4, hidden: int = 512, intermediate: int = 1024,
+               heads: int = 8, kv_heads: int = 4, vocab: int = VOCAB) -> Path:
+    """A Llama of random weights (seed 0, bfloat16, head size 64) saved by transformers; by
+    default the tests' tiny one."""
     import torch
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     return folder
 
 
-def prompt(n: int, seed: int) -> list[int]:
+def prompt(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(n)]
+    return [rng.randrange(vocab) for _ in range(n)]
