@@ -204,6 +204,11 @@ try:
     report["a_warm"] = phase(a, prompt, reps)
     logs = (work / "instance_a.log").read_text()
     report["piecewise_override"] = "requires PIECEWISE CUDA graph mode" in logs
+    # the connector proves its reading of the GPU backend's KV cache with the backend's own
+    # write op at start-up; a layout it cannot prove turns it off with this ERROR line
+    report["layout_proven"] = all(
+        "lmcache-remote connector OFF" not in (work / f"{n}.log").read_text()
+        for n in ("instance_a", "instance_b"))
 
     expect_cached = (prompt_tokens - 1) // chunk * chunk
     baseline = report["no_cache"]["outputs"][0]
@@ -217,7 +222,7 @@ try:
         report[p].pop("outputs")
     print(json.dumps(report, indent=2))
     ok = report["outputs_identical"] and report["b_hit_all_chunks"] and report[
-        "piecewise_override"]
+        "piecewise_override"] and report["layout_proven"]
     sys.exit(0 if ok else 1)
 finally:
     stop_all()
