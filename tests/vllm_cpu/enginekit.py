@@ -29,16 +29,18 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Engine:
-    """One engine process; `generate(prompt, max_tokens)` returns its answer (a dict)."""
+    """One engine process; `generate(prompt, max_tokens)` returns its answer (a dict).
+    `env`: variables to set in its environment beyond `engine_env`'s."""
 
-    def __init__(self, spec: dict[str, Any], log: Path) -> None:
+    def __init__(self, spec: dict[str, Any], log: Path,
+                 env: dict[str, str] | None = None) -> None:
         read, write = os.pipe()
         self.log = log
         self._proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "vllm_cpu" / "engine_proc.py"),
              json.dumps(spec), str(write)],
             stdin=subprocess.PIPE, stdout=log.open("w"), stderr=subprocess.STDOUT,
-            env=engine_env(), pass_fds=(write,), text=True)
+            env=engine_env(env), pass_fds=(write,), text=True)
         os.close(write)
         self._results = os.fdopen(read)
         ready = self._answer()
