@@ -10,6 +10,7 @@ answers a fixed number of hit tokens, and the plans are fed hand-made requests."
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import redis
@@ -201,7 +202,15 @@ def test_prefix_lookup_counts_what_every_rank_holds(private_redis) -> None:
             assert engine.store(tokens, kv) == 512
     ns = [geometry().metadata("m", 2, r).namespace for r in range(2)]
     lookup = PrefixLookup(config, geometry().metadata("m", 2, 0).layout, ns)
+    assert lookup._remote is not None and lookup._remote.toucher.inline  # no thread of its own
+    lookup._remote.toucher.interval = 0.0  # touch at once, not at most once a second
+    threads = {t.name for t in threading.enumerate()}
     assert lookup(tokens) == 512
+    # what it promised is TOUCHed (every rank's chunks), by the caller's thread
+    promised = [spec for n in ns for spec in TokenDatabase(n, C, False).prefix_keys(tokens)[:2]]
+    values = sum(len(lookup._remote._keys(spec)) for spec in promised)
+    assert values >= 2 * 2 and lookup.metrics.counters()["remote.touched_keys"] == values
+    assert {t.name for t in threading.enumerate()} == threads
     client = redis.Redis.from_url(private_redis.url)
     second = TokenDatabase(ns[1], C, False).prefix_keys(tokens)[1]
     assert client.unlink(second.key.redis_key(config.key_prefix)) == 1
