@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 import torch
 from click.testing import CliRunner
 from lmcache_remote_cli.main import cli
@@ -65,17 +66,32 @@ def _until_served_by(
         if not _is_master(server):  # a replica's count grows by replication: not evidence
             time.sleep(0.2)
             continue
-        before = _chunks_on(server, prefix)
+        before = _observe_chunks(server, prefix)
+        if before is None:
+            continue
         ok = _round_trip(eng, torch.arange(TOKENS) + base, seed=base % 1000)
-        if ok and _chunks_on(server, prefix) == before + TOKENS // CHUNK:
+        if ok and _observe_chunks(server, prefix) == before + TOKENS // CHUNK:
             return base
         time.sleep(0.2)
     raise AssertionError(f"no store/retrieve on the new master {server.port} within {timeout} s")
 
 
 def _is_master(server: RedisServer) -> bool:
-    with server.client() as client:
-        return bool(client.execute_command("ROLE")[0] == b"master")
+    """Whether `server` is a master now. A server changing role closes its clients' connections,
+    this observer's too: that answers "not yet", the caller asks again."""
+    try:
+        with server.client() as client:
+            return bool(client.execute_command("ROLE")[0] == b"master")
+    except redis.ConnectionError:
+        return False
+
+
+def _observe_chunks(server: RedisServer, prefix: str) -> int | None:
+    """`_chunks_on`, or None where the server closed this observer's connection (role change)."""
+    try:
+        return _chunks_on(server, prefix)
+    except redis.ConnectionError:
+        return None
 
 
 def _wait_replicating(server: RedisServer, timeout: float = 30) -> None:
