@@ -174,6 +174,27 @@ def tiled_writer(cache: torch.Tensor, pairs: bool = False) -> Any:
     return write
 
 
+def vnni_writer(cache: torch.Tensor, tile: int = 16) -> Any:
+    """A tiled block like vLLM's CPU backend under ISA "amx" (as its research note describes
+    it; `[blocks, heads, 2 * size, head]`): K in tiles of `tile` tokens, each token's dims in
+    pairs (VNNI pairs of dims), then V with tokens in pairs per dim (VNNI pairs of tokens)."""
+    blocks, heads, size, width = cache.shape
+    head = width // 2
+    areas = cache.view(blocks, heads, 2 * size * head)
+    t = torch.arange(size).view(-1, 1)
+    d = torch.arange(head).view(1, -1)
+    k_at = (t // tile) * (tile * head) + (d // 2) * (2 * tile) + (t % tile) * 2 + d % 2
+    v_at = size * head + (t // 2) * (2 * head) + d * 2 + t % 2
+
+    def write(kv: torch.Tensor, slots: torch.Tensor) -> None:
+        b, o = slots // size, slots % size
+        k, v = kv[0].to(cache.dtype), kv[1].to(cache.dtype)
+        for i in range(len(slots)):
+            areas[b[i], :, k_at[o[i]]] = k[i]
+            areas[b[i], :, v_at[o[i]]] = v[i]
+    return write
+
+
 def mla_writer(cache: torch.Tensor) -> Any:
     """MLA's `[blocks, block_size, latent]`: one latent per token."""
     size = cache.shape[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvutil import mla_writer, packed_writer, tiled_writer
+from kvutil import mla_writer, packed_writer, tiled_writer, vnni_writer
 
 from lmcache_remote.connectors import BlockMap, PagedKV
 from lmcache_remote.integrations.vllm_core import RequestPlan, Span, WorkerSide, load_settings
@@ -55,6 +55,63 @@ def test_a_tiled_block_is_read_per_token_through_the_ops_map(pairs: bool) -> Non
     again.view(slots).scatter([(0, n)], [out])
     assert torch.equal(fresh[0].view(torch.int16), layers[0].view(torch.int16))
     assert torch.equal(fresh[1].view(torch.int16), layers[1].view(torch.int16))
+
+
+_WRITERS = {"vec": lambda c: tiled_writer(c), "vec-pairs": lambda c: tiled_writer(c, pairs=True),
+            "vnni": lambda c: vnni_writer(c)}
+
+
+@pytest.mark.parametrize("kind", list(_WRITERS))
+def test_tiled_blocks_move_as_strided_copies_where_runs_allow(kind: str) -> None:
+    """The CPU backend's tilings are strided views of a block (`BlockMap.tiles`): whole
+    blocks and runs on a tile's edge move as strided copies, other runs through element
+    indexes, in one call; both read each token's own K/V and write the op's bytes."""
+    make = _WRITERS[kind]
+    layers = [_cache(), _cache()]
+    reading = proven_layout(layers, "packed", make(layers[0]))
+    bm = reading.block_map
+    assert bm is not None and bm.tiles is not None
+    assert bm.tile_tokens == (16 if kind == "vnni" else 1)
+    # in order: block 5 whole, block 2's second half; then single slots, out of order
+    slots = torch.tensor([*range(5 * B, 6 * B), *range(2 * B + 16, 3 * B), 7 * B + 3, B + 9])
+    n = len(slots)
+    kv = _kv(n, 3)
+    for layer in layers:
+        make(layer)(kv, slots)
+    view = reading.view(slots)
+    assert isinstance(view, PagedKV)
+    ranges = [(0, B), (B, B + 16), (B + 16, n)]
+    aligned = view._tile_copies(range(2), B, B + 16, torch.empty(view.chunk_shape(16)),
+                                to_host=True)
+    assert aligned is not None and len(aligned) == 4  # 2 layers x 2 planes, one run
+    outs = [torch.full(view.chunk_shape(b - a), 7.0, dtype=torch.bfloat16) for a, b in ranges]
+    view.gather(ranges, outs)
+    got = torch.cat(outs, dim=2)
+    assert torch.equal(got[0], kv) and torch.equal(got[1], kv)
+    fresh = [_cache(), _cache()]
+    again = proven_layout(fresh, "packed", make(fresh[0]))
+    again.view(slots).scatter(ranges, outs)
+    for a, b in zip(fresh, layers, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_map_no_strided_view_reads_takes_element_indexes() -> None:
+    """A block map with no tiling (elements shuffled within the block) still reads and
+    writes each token's own K/V, through element indexes."""
+    like = _cache()
+    perm = torch.randperm(2 * B * H * D, generator=torch.Generator().manual_seed(4))
+    bm = BlockMap(perm.view(2, B, H, D), like)
+    assert bm.tiles is None
+    layers = [like, _cache()]
+    slots = torch.tensor([*range(3 * B, 4 * B), 2 * B + 5])
+    kv = torch.stack([_kv(len(slots), 5)] * 2)  # [layers, planes, tokens, heads, dims]
+    view = PagedKV(layers, slots, layout="mapped", block_map=bm)
+    view.scatter([(0, len(slots))], [kv])
+    block, at = 3, int(perm.view(2, B, H, D)[1, 7, 1, 2])
+    assert layers[1][block].reshape(-1)[at] == kv[1, 1, 7, 1, 2]
+    out = torch.empty_like(kv)
+    view.gather([(0, len(slots))], [out])
+    assert torch.equal(out, kv)
 
 
 def test_a_packed_block_keeps_its_row_copies() -> None:
