@@ -60,6 +60,11 @@ class CacheConfig:
     `zstd-planes` (byte planes, then zstd)."""
     remote_ttl: float | None = None
     """Expiry of values in Redis, in seconds; None = no expiry (rely on maxmemory-policy)."""
+    remote_lru_touch: bool = True
+    """TOUCH in Redis the chunks a lookup promised or the local tier served (`storage.toucher`),
+    which Redis never sees read: without it `allkeys-lru` evicts the most used prefixes first.
+    False: no TOUCH is sent and no toucher thread starts (for a user without `+touch`, or to
+    measure what the refresh is worth: `python -m soak --no-lru-touch`)."""
     save_unfull_chunk: bool = False
     """Also store the last, partial chunk of a request."""
     store_async: bool = True

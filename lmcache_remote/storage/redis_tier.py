@@ -181,7 +181,9 @@ class RedisTier(StorageTier):
         self._readers: LanePool | None = None  # the step's reads before background ones
         self._write_budget = ByteBudget(_WINDOW_BYTES)
         self._longest = longest_value(layout.nbytes(config.chunk_size))
-        self.toucher = Toucher(self._send_touches, metrics, self._log)
+        # None with `remote_lru_touch` off: nothing is noted, no thread starts, no TOUCH is sent
+        self.toucher: Toucher | None = (
+            Toucher(self._send_touches, metrics, self._log) if config.remote_lru_touch else None)
         self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
         self._foreign_lock = threading.Lock()
 
@@ -461,8 +463,10 @@ class RedisTier(StorageTier):
 
     def touch_later(self, specs: Sequence[ChunkSpec]) -> None:
         """Refresh these chunks' LRU clocks in Redis soon (`toucher.Toucher`): chunks a lookup
-        promised or the local tier served, which Redis does not see read."""
-        self.toucher.note([key for spec in specs for key in self._keys(spec)])
+        promised or the local tier served, which Redis does not see read. Nothing with
+        `remote_lru_touch` off."""
+        if self.toucher is not None:
+            self.toucher.note([key for spec in specs for key in self._keys(spec)])
 
     def _send_touches(self, commands: list[tuple[Any, ...]]) -> None:
         def op() -> list[Any]:
@@ -482,7 +486,8 @@ class RedisTier(StorageTier):
     def close(self) -> None:
         """Stops all I/O (`stop_io`), waits for the lane threads, then closes the client: after
         this returns no thread of the tier does any I/O."""
-        self.toucher.close()
+        if self.toucher is not None:
+            self.toucher.close()
         self.stop_io()
         with self._write_lock:
             pools, self._writers, self._readers = (self._writers, self._readers), None, None

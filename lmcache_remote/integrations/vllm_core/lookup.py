@@ -57,8 +57,8 @@ class PrefixLookup:
             make_remote_tier(config, layout, MemoryPool(0, pin_memory=False), self.metrics)
             if config.remote_url is not None else None
         )
-        if self._remote is not None:  # the scheduler's thread sends the touches: no thread
-            self._remote.toucher.inline = True
+        if self._remote is not None and self._remote.toucher is not None:
+            self._remote.toucher.inline = True  # the scheduler's thread sends them: no thread
         self._log = RateLimitedLogger(logger)
 
     @property
