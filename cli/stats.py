@@ -40,6 +40,7 @@ def _print(cx: CliContext, result: dict[str, Any]) -> None:
                  f"hits {e['hit_tokens']} tokens, hit rate {rate}")
     cx.out.print(f"lookup promises broken: {e['promise_broken_tokens']} tokens (no memory "
                  f"{e['no_room_chunks']}, incomplete {e['remote_incomplete_chunks']}, corrupt "
-                 f"{e['remote_corrupt_chunks']}, foreign {e['remote_foreign_chunks']} chunks); "
+                 f"{e['remote_corrupt_chunks']}, foreign {e['remote_foreign_chunks']}, "
+                 f"unauthenticated {e['remote_unauthenticated_chunks']} chunks); "
                  "duplicate writes skipped "
                  f"{e['duplicate_writes_skipped']}")

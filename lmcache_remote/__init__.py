@@ -22,6 +22,7 @@ from lmcache_remote.errors import (
     KeyFormatError,
     LmcrError,
     SerdeError,
+    UnauthenticatedEntryError,
 )
 from lmcache_remote.keys import CacheEngineKey
 
@@ -45,6 +46,7 @@ __all__ = [
     "LmcrError",
     "PagedKV",
     "SerdeError",
+    "UnauthenticatedEntryError",
     "__version__",
     "load_config",
 ]

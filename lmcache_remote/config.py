@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from lmcache_remote.errors import ConfigError
+from lmcache_remote.integrity import check_source
 from lmcache_remote.urls import parse_remote_url
 
 GIB = 1024**3
@@ -37,6 +38,8 @@ ENV_CONFIG_FILE = "LMCR_CONFIG"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes", "blosc2-lz4", "blosc2-zstd")
 _CERT_REQS = ("required", "optional", "none")
+#: Fields whose value a message never repeats: a key pasted there by mistake must not be logged.
+_SECRET_FIELDS = frozenset({"integrity_key"})
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9.\-]{1,253}|[0-9A-Fa-f:.]{2,45})$")
 
 
@@ -89,6 +92,14 @@ class CacheConfig:
     """Client key for `rediss://`."""
     ssl_cert_reqs: str = "required"
     """Server certificate check for `rediss://`: `required`, `optional` or `none`."""
+    integrity_key: str | None = None
+    """Where the integrity key is: `file:PATH` (a file holding it) or `env:NAME` (an
+    environment variable holding it), at least 32 bytes; never the key itself (configurations
+    get logged). With it values are written with a MAC (HMAC-SHA256 over header, parts and
+    chunk key) and only values whose MAC verifies are served; others are misses, left in
+    place (`remote.unauthenticated_chunks`). None: no MAC, Redis is trusted. The key is read
+    when the remote tier starts (`lmcache_remote.integrity`); docs/reliability.md's threat
+    model says what it protects."""
     save_only_first_rank: bool = False
     """MLA models only: every tensor-parallel rank holds the same latent KV, so rank 0 alone
     stores it (under world size 1, worker 0) and every rank loads that one copy."""
@@ -153,6 +164,8 @@ def _validate(cfg: CacheConfig) -> None:
         raise ConfigError("ssl_cert_reqs", f"must be one of {', '.join(_CERT_REQS)}")
     if cfg.remote_url is not None:
         _check_url(cfg.remote_url)
+    if cfg.integrity_key is not None:
+        check_source(cfg.integrity_key)
 
 
 def _check_url(url: str) -> None:
@@ -203,7 +216,8 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise ConfigError(name, f"must be of type {typ.__name__}, got {value!r}")
+        shown = "a value that is not shown" if name in _SECRET_FIELDS else repr(value)
+        raise ConfigError(name, f"must be of type {typ.__name__}, got {shown}")
 
 
 _TRUE = {"1", "true", "yes", "on"}

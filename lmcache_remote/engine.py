@@ -19,7 +19,8 @@ Who calls what, and what each call promises:
   between, a bad value, no memory), the tokens lost are counted in
   `engine.promise_broken_tokens` and logged (WARNING, rate-limited), with the counters that say
   why (`memory.no_room_chunks`, `remote.miss_chunks`, `remote.incomplete_chunks`,
-  `remote.corrupt_chunks`, `remote.foreign_chunks`, `remote.errors`).
+  `remote.corrupt_chunks`, `remote.foreign_chunks`, `remote.unauthenticated_chunks`,
+  `remote.errors`).
 - `store_layer(...)` / `retrieve_layer(...)`: the same as `store` / `retrieve`, one layer per
   step (generators), so that a layer's copy overlaps the engine's compute of the next layer;
   they read and write exactly the chunks (keys and bytes) of the whole-request calls.
@@ -79,7 +80,7 @@ _PROMISES_KEPT = 4096
 #: Counters that say why a retrieve delivered less than its lookup promised.
 _BREAK_REASONS = ("memory.no_room_chunks", "remote.pool_full", "remote.miss_chunks",
                   "remote.incomplete_chunks", "remote.corrupt_chunks", "remote.foreign_chunks",
-                  "remote.errors")
+                  "remote.unauthenticated_chunks", "remote.errors")
 
 
 class PromiseLedger:

@@ -42,6 +42,14 @@ class ForeignEntryError(SerdeError):
     values."""
 
 
+class UnauthenticatedEntryError(ForeignEntryError):
+    """A value a reader holding the `integrity_key` may not serve: written without the key,
+    or its MAC does not verify (forged, moved under another key, written with another key).
+    Like a foreign value: a miss, left in place, counted apart
+    (`remote.unauthenticated_chunks`). It may be an unkeyed engine's good value in a mixed
+    fleet, and deleting would protect nothing: whoever can write a value can erase one."""
+
+
 class BackendError(LmcrError):
     """A storage backend failed."""
 

@@ -51,6 +51,7 @@ PUBLISHED_COUNTERS = {
     "remote_incomplete_chunks": "remote.incomplete_chunks",
     "remote_corrupt_chunks": "remote.corrupt_chunks",
     "remote_foreign_chunks": "remote.foreign_chunks",
+    "remote_unauthenticated_chunks": "remote.unauthenticated_chunks",
     "duplicate_writes_skipped": "remote.duplicate_writes_skipped",
 }
 

@@ -13,6 +13,10 @@ Contract:
 - The header (`HEADER_FIXED`, then the part table, then a header checksum; byte by byte in
   ``docs/value-format.md``) names the codec, dtype, shape, token count, the chunk hash the value
   belongs to, the raw size, the part size and each part's stored length and xxh3-64 checksum.
+- An authenticated value (``encode(..., signer=...)``: version byte ``FORMAT_VERSION |
+  AUTHENTICATED``) also holds a 32-byte MAC between the part table and the header checksum;
+  ``read_header`` returns it (`ValueHeader.tag`, with the header bytes it covers) and checking
+  it is the caller's (`lmcache_remote.integrity`), which alone has the key.
 - `Serde.read_header` validates every header field and `Serde.decode_into` every length, the
   chunk hash and every part checksum. Whatever the input bytes, both raise `CorruptEntryError`
   on any problem and nothing else; they never unpickle or evaluate anything. ``read_header``
@@ -65,11 +69,29 @@ PART_ENTRY = struct.Struct("<QQ")
 #: Ends the header: low 32 bits of xxh3-64 over every header byte before it.
 HEADER_CHECKSUM = struct.Struct("<I")
 MIN_HEADER_NBYTES = HEADER_FIXED.size + PART_ENTRY.size + HEADER_CHECKSUM.size
+#: Set in the version byte of an authenticated value (`FORMAT_VERSION | AUTHENTICATED`):
+#: its header holds a MAC (`TAG_NBYTES`, `lmcache_remote.integrity`) between the part table
+#: and the header checksum. A reader that knows only version 1 finds another version there
+#: and leaves the value in place as foreign.
+AUTHENTICATED = 0x80
+TAG_NBYTES = 32
+
+#: Makes a value's MAC: ``signer(signed_header, stored_parts)``, 32 bytes (a bound
+#: `IntegrityKey.tag`); the chunk key it binds is the signer's business.
+Signer = Callable[[memoryview, Sequence["BytesLike"]], bytes]
 
 
-def header_nbytes(part_count: int) -> int:
-    """Size of the header of a value with ``part_count`` parts: ``84 + 16 * part_count``."""
-    return HEADER_FIXED.size + PART_ENTRY.size * part_count + HEADER_CHECKSUM.size
+def header_nbytes(part_count: int, authenticated: bool = False) -> int:
+    """Size of the header of a value with ``part_count`` parts: ``84 + 16 * part_count``, and
+    `TAG_NBYTES` more for an authenticated value."""
+    return (HEADER_FIXED.size + PART_ENTRY.size * part_count + HEADER_CHECKSUM.size
+            + (TAG_NBYTES if authenticated else 0))
+
+
+def known_version(version: int) -> bool:
+    """Whether this reader knows a value of this version byte: `FORMAT_VERSION`, with or
+    without `AUTHENTICATED`."""
+    return version in (FORMAT_VERSION, FORMAT_VERSION | AUTHENTICATED)
 
 
 # --- dtypes -------------------------------------------------------------------------------
@@ -122,6 +144,8 @@ class ValueHeader:
     part_size: int
     parts: tuple[tuple[int, int], ...]  # (stored_len, xxh3-64 checksum) per part
     header_nbytes: int
+    tag: bytes | None = None  # an authenticated value's MAC, None for an unauthenticated one
+    signed: bytes = b""  # the header bytes the MAC covers (before the tag); b"" without one
 
     @property
     def payload_nbytes(self) -> int:
@@ -245,22 +269,27 @@ class Serde:
 
     # --- encode ---------------------------------------------------------------------------
 
-    def encode(self, tensor: torch.Tensor | TensorHolder, chunk_hash: bytes, num_tokens: int
-               ) -> list[BytesLike]:
+    def encode(self, tensor: torch.Tensor | TensorHolder, chunk_hash: bytes, num_tokens: int,
+               *, signer: Signer | None = None) -> list[BytesLike]:
         """The values of one chunk: ``values[0]`` header + part 0, then parts 1..n-1."""
-        header, parts = self.encode_parts(tensor, chunk_hash, num_tokens)
+        header, parts = self.encode_parts(tensor, chunk_hash, num_tokens, signer=signer)
         return [b"".join((header, parts[0])), *parts[1:]]
 
     def encode_parts(
         self, tensor: torch.Tensor | TensorHolder, chunk_hash: bytes, num_tokens: int,
-        *, sealed: bool = True,
+        *, sealed: bool = True, signer: Signer | None = None,
     ) -> tuple[bytes | bytearray, list[BytesLike]]:
         """`encode` without joining the header to part 0 (which copies part 0): the header and
         the stored parts; value 0 is ``header + parts[0]``, value i is ``parts[i]``. A
         `MemoryObj` may stand for its tensor: its kept byte view is used (no torch call).
         With ``sealed=False`` nothing is hashed: the header comes back as a `bytearray` with
         its checksums zero, and is valid only once `header_seal`'s seal has been applied
-        (by the wire as it sends the value, `wire.apply_seals` otherwise)."""
+        (by the wire as it sends the value, `wire.apply_seals` otherwise). With a ``signer``
+        the value is authenticated: version byte `FORMAT_VERSION | AUTHENTICATED`, the MAC of
+        the checksummed header and the parts before the header checksum (so it is always
+        sealed here)."""
+        if signer is not None and not sealed:
+            raise SerdeError("an authenticated value is sealed as it is encoded")
         raw_of = getattr(tensor, "raw_view", None)
         if not isinstance(tensor, torch.Tensor):
             tensor = tensor.tensor
@@ -277,20 +306,25 @@ class Serde:
         itemsize = tensor.dtype.itemsize
         stored = self._map(self.codec, lambda seg: self._encode_part(seg, itemsize, sealed),
                            segments)
-        header = bytearray(header_nbytes(len(segments)))
+        header = bytearray(header_nbytes(len(segments), signer is not None))
+        version = FORMAT_VERSION | (AUTHENTICATED if signer is not None else 0)
         HEADER_FIXED.pack_into(
-            header, 0, MAGIC, FORMAT_VERSION, self.codec.codec_id, DTYPE_CODES[tensor.dtype],
+            header, 0, MAGIC, version, self.codec.codec_id, DTYPE_CODES[tensor.dtype],
             len(shape), *shape, *([0] * (MAX_NDIM - len(shape))), num_tokens, bytes(chunk_hash),
             len(raw), size, len(segments),
         )  # fmt: skip
         for i, (data, checksum) in enumerate(stored):
             offset = HEADER_FIXED.size + i * PART_ENTRY.size
             PART_ENTRY.pack_into(header, offset, len(data), checksum)
+        parts = [data for data, _ in stored]
         if not sealed:
-            return header, [data for data, _ in stored]
+            return header, parts
         end = len(header) - HEADER_CHECKSUM.size
+        if signer is not None:
+            signed = end - TAG_NBYTES
+            header[signed:end] = _checked_tag(signer(memoryview(header)[:signed], parts))
         HEADER_CHECKSUM.pack_into(header, end, _header_checksum(memoryview(header)[:end]))
-        return bytes(header), [data for data, _ in stored]
+        return bytes(header), parts
 
     def _encode_part(self, segment: memoryview, itemsize: int, sealed: bool = True
                      ) -> tuple[BytesLike, int]:
@@ -415,6 +449,12 @@ def header_seal(header: bytearray, parts: Sequence[BytesLike]
     return header, list(parts), offsets, len(header) - HEADER_CHECKSUM.size
 
 
+def _checked_tag(tag: bytes) -> bytes:
+    if len(tag) != TAG_NBYTES:
+        raise SerdeError(f"a signer gave {len(tag)} bytes, a tag is {TAG_NBYTES}")
+    return tag
+
+
 def checksum(data: Any) -> int:
     """XXH3-64 of a part's stored bytes (`native.xxh3`: without giving up the GIL where the
     native module is bound)."""
@@ -434,11 +474,13 @@ def _parse_header(buf: memoryview) -> ValueHeader:
     num_tokens, chunk_hash, raw_nbytes, part_size, part_count = fields[5 + MAX_NDIM :]
     if magic != MAGIC:
         raise _corrupt(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:  # its header may be laid out otherwise: not checkable here
-        raise _foreign(f"format version {version}, this reader knows {FORMAT_VERSION} only")
+    if not known_version(version):  # its header may be laid out otherwise: not checkable here
+        raise _foreign(f"format version {version}, this reader knows {FORMAT_VERSION} and "
+                       f"{FORMAT_VERSION | AUTHENTICATED} (authenticated) only")
     if part_count < 1:
         raise _corrupt("part count 0")
-    size = header_nbytes(part_count)
+    authenticated = bool(version & AUTHENTICATED)
+    size = header_nbytes(part_count, authenticated)
     if len(buf) < size:
         raise _corrupt(f"header of {part_count} parts needs {size} bytes, value has {len(buf)}")
     (stored_checksum,) = HEADER_CHECKSUM.unpack_from(buf, size - HEADER_CHECKSUM.size)
@@ -462,10 +504,12 @@ def _parse_header(buf: memoryview) -> ValueHeader:
         raise _corrupt(f"part size {part_size} outside 1..{MAX_PART_SIZE}")
     if part_count != max(1, -(-raw_nbytes // part_size)):
         raise _corrupt(f"{part_count} parts cannot hold {raw_nbytes} bytes in parts of {part_size}")
-    table = buf[HEADER_FIXED.size : size - HEADER_CHECKSUM.size]
-    parts = _part_table(table, codec, raw_nbytes, part_size)
+    signed = HEADER_FIXED.size + PART_ENTRY.size * part_count  # the tag's offset
+    parts = _part_table(buf[HEADER_FIXED.size : signed], codec, raw_nbytes, part_size)
+    tag = bytes(buf[signed : signed + TAG_NBYTES]) if authenticated else None
     return ValueHeader(
-        codec_id, dtype, shape, num_tokens, bytes(chunk_hash), raw_nbytes, part_size, parts, size
+        codec_id, dtype, shape, num_tokens, bytes(chunk_hash), raw_nbytes, part_size, parts, size,
+        tag, bytes(buf[:signed]) if authenticated else b"",
     )
 
 

@@ -24,7 +24,7 @@ from lmcache_remote.admin.filters import EntryFilter
 from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.errors import CorruptEntryError, ForeignEntryError
 from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.serde import HEADER_FIXED, Serde, ValueHeader, header_nbytes
+from lmcache_remote.serde import AUTHENTICATED, HEADER_FIXED, Serde, ValueHeader, header_nbytes
 from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches
 
 HEADER_READ = 4096
@@ -116,8 +116,8 @@ def _entry(node: Any, raw: bytes, key: CacheEngineKey, head: bytes, strlen: int,
 def read_header(node: Any, raw: bytes, head: bytes, strlen: int) -> ValueHeader:
     """Decode a chunk's header from the first bytes of value 0, reading more if needed."""
     if len(head) >= HEADER_FIXED.size and len(head) < strlen:
-        part_count = HEADER_FIXED.unpack_from(head)[-1]
-        need = header_nbytes(part_count)
+        fields = HEADER_FIXED.unpack_from(head)
+        need = header_nbytes(fields[-1], bool(fields[1] & AUTHENTICATED))
         if need > len(head):
             reads = ReadPipeline(node, raw)
             reads.pipe.getrange(raw, 0, need - 1)

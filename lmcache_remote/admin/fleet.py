@@ -18,7 +18,7 @@ SUMMED = (
     "store_tokens", "stored_tokens", "remote_errors", "remote_hit_chunks", "remote_read_bytes",
     "remote_written_bytes", "local_evicted_chunks", "promise_broken_tokens", "no_room_chunks",
     "remote_incomplete_chunks", "remote_corrupt_chunks", "remote_foreign_chunks",
-    "duplicate_writes_skipped",
+    "remote_unauthenticated_chunks", "duplicate_writes_skipped",
 )  # fmt: skip
 
 

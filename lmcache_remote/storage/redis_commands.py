@@ -15,7 +15,7 @@ from typing import Any
 
 from lmcache_remote.errors import CorruptEntryError
 from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.serde import FORMAT_VERSION, HEADER_FIXED, MAGIC
+from lmcache_remote.serde import HEADER_FIXED, MAGIC, known_version
 
 #: Reply bytes asked for and not yet read on the fast read path, at most (`read_ahead`'s cap:
 #: for 32 MiB chunks a little over two of their 3.49 MiB parts), so Redis prepares the next
@@ -121,7 +121,7 @@ def listed_part_count(spec: ChunkSpec, head: Any) -> int | None:
     fields = HEADER_FIXED.unpack_from(head)
     magic, version, num_tokens, chunk_hash, part_count = (
         fields[0], fields[1], fields[13], fields[14], fields[17])
-    if (magic != MAGIC or version != FORMAT_VERSION or num_tokens != spec.num_tokens
+    if (magic != MAGIC or not known_version(version) or num_tokens != spec.num_tokens
             or chunk_hash != spec.key.hash_bytes or part_count < 1):
         return None
     return int(part_count)

@@ -15,6 +15,9 @@ round trip.
 - `get`: pipelined GETs in windows of about `_WINDOW_BYTES`; each value is decoded and checked
   against the key (hash, dtype, shape, token count, every part's checksum). The first missing
   or bad chunk ends the run; a bad one is counted and deleted so nobody trips on it again.
+  With an `integrity_key` every value is written with a MAC and a value is served only when
+  its MAC verifies for the key it was read from (`_authenticate`); one without a MAC, or with
+  one that does not verify, is a miss left in place (`remote.unauthenticated_chunks`).
 - `put`: one command per chunk, so each chunk is written in one atomic step: SET (one part),
   MSET (several parts), or, when `remote_ttl` is set and there are several parts, an EVAL of
   `SET ... PX` per part (MSET takes no expiry, and MSET then PEXPIRE could leave parts without
@@ -57,16 +60,20 @@ from lmcache_remote.errors import (
     BackendUnavailableError,
     CorruptEntryError,
     ForeignEntryError,
+    UnauthenticatedEntryError,
 )
 from lmcache_remote.hashing import ChunkSpec
+from lmcache_remote.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.keys import CacheEngineKey, probe_key
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.serde import (
     HEADER_FIXED,
     Serde,
+    Signer,
     ValueHeader,
     check_identity,
+    checksum,
     header_nbytes,
     header_seal,
 )
@@ -162,6 +169,9 @@ class RedisTier(StorageTier):
         self.allocate: Allocator = allocate or (
             lambda n: pool.allocate(layout.shape(n), layout.dtype))
         self.metrics = metrics
+        #: With `integrity_key`: every value written carries a MAC, and only values whose MAC
+        #: verifies are served (`_authenticate`); read here, at start-up, never logged.
+        self.integrity: IntegrityKey | None = load_integrity_key(config.integrity_key)
         threads = config.serde_threads or (os.cpu_count() or 1)
         self.serde = Serde(config.serde, config.remote_part_size, threads, fit_size_classes=True)
         self.client = client if client is not None else make_client(config)
@@ -406,16 +416,29 @@ class RedisTier(StorageTier):
         for key, obj in pairs:
             num_tokens = obj.tensor.shape[2]
             values: list[Any]
+            signer = self._signer(key)
             if seals is not None:  # value 0 as (header, part 0): no copy of part 0
                 header, parts = self.serde.encode_parts(obj, key.hash_bytes, num_tokens,
-                                                        sealed=False)
-                assert isinstance(header, bytearray)
+                                                        sealed=signer is not None, signer=signer)
                 values = [(header, parts[0]), *parts[1:]]
-                seals.append(header_seal(header, parts))
+                if signer is None:
+                    assert isinstance(header, bytearray)
+                    seals.append(header_seal(header, parts))
+                else:  # the MAC covers the checksums: sealed before it, not by the wire
+                    seals.append(None)
             else:
-                values = list(self.serde.encode(obj, key.hash_bytes, num_tokens))
+                values = list(self.serde.encode(obj, key.hash_bytes, num_tokens, signer=signer))
             batch.append((key.part_keys(self.prefix, len(values)), values))
         return self._write(batch, seals)
+
+    def _signer(self, key: CacheEngineKey) -> Signer | None:
+        """What makes the MAC of the chunk ``key``'s value (bound to the key), None without
+        an `integrity_key`."""
+        integrity = self.integrity
+        if integrity is None:
+            return None
+        name = key.to_string()
+        return lambda signed, parts: integrity.tag(name, signed, parts)
 
     def _lane_pool(self, name: str, lanes: int) -> Any:
         """The lane threads ``name``, started on first use: ``_writers`` (an executor) or
@@ -619,7 +642,8 @@ class RedisTier(StorageTier):
             places += [(c, p, p * size, min(total, (p + 1) * size)) for p in range(len(keys))]
         sink: Any
         if self.serde.codec.codec_id == 0:
-            heads = [header_nbytes(len(keys)) for keys in key_lists]
+            mac = self.integrity is not None  # the values this reader serves are authenticated
+            heads = [header_nbytes(len(keys), mac) for keys in key_lists]
             arena.reserve(sum(heads))
             sink = [[arena.take(heads[chunk]), objs[chunk].raw_view()[start:end]] if part == 0
                     else objs[chunk].raw_view()[start:end]
@@ -664,6 +688,8 @@ class RedisTier(StorageTier):
             if fetched is not values:  # fetched again: the loop's digests are not theirs
                 values, digests = fetched, [None] * len(fetched)
             stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
+            if self.integrity is not None:
+                self._authenticate(spec, header, stored, digests)
             self.serde.decode_parts_into(
                 header, stored, obj, spec.key.hash_bytes,
                 expected_shape=self.layout.shape(spec.num_tokens),
@@ -706,6 +732,9 @@ class RedisTier(StorageTier):
         try:
             header = self._read_header(spec, values[0])
             values = self._all_parts(spec, header, values)
+            if self.integrity is not None:
+                stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
+                self._authenticate(spec, header, stored, [None] * len(stored))
             obj = self.allocate(spec.num_tokens)
             if obj is None:
                 self.metrics.inc("remote.pool_full")
@@ -741,6 +770,26 @@ class RedisTier(StorageTier):
                        self.layout.dtype)
         return header
 
+    def _authenticate(self, spec: ChunkSpec, header: ValueHeader, stored: Sequence[memoryview],
+                      digests: Sequence[int | None]) -> None:
+        """With an `integrity_key`: `UnauthenticatedEntryError` unless the value carries a MAC
+        that verifies under the key for this chunk key, header and parts. A failed MAC over a
+        part that also fails its checksum (or length) is damage, `CorruptEntryError`, deleted
+        as ever; one over intact checksums was written without this key: left in place."""
+        assert self.integrity is not None
+        if header.tag is None:
+            raise UnauthenticatedEntryError("written without the integrity key (no MAC)")
+        if self.integrity.verify(spec.key.to_string(), header.signed, stored, header.tag):
+            return
+        for i, view in enumerate(stored):
+            length, expected = header.parts[i]
+            known = digests[i] if i < len(digests) else None
+            if len(view) != length or (known if known is not None else checksum(view)
+                                       ) != expected:
+                raise CorruptEntryError(f"part {i} fails its checksum (and the MAC)")
+        raise UnauthenticatedEntryError("its MAC does not verify under this integrity key "
+                                        "(forged, moved from another key, or another key's)")
+
     def _all_parts(self, spec: ChunkSpec, header: ValueHeader, values: list[Any]) -> list[Any]:
         """Every value the header lists: fetched again when the chunk was written with another
         part size. A part missing where the header agrees with ours was evicted or expired
@@ -755,9 +804,11 @@ class RedisTier(StorageTier):
 
     def _skip_foreign(self, spec: ChunkSpec, exc: ForeignEntryError) -> None:
         """A value of another release, or not the one its key names: a miss, left in place
-        (DESIGN.md, "Redis layout": evolution), counted apart from damage."""
-        self.metrics.inc("remote.foreign_chunks")
-        self._log.warning("foreign", "chunk %s left in place, not served: %s",
+        (DESIGN.md, "Redis layout": evolution), counted apart from damage. One this reader's
+        `integrity_key` does not vouch for is counted apart again (`_authenticate`)."""
+        kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
+        self.metrics.inc(f"remote.{kind}_chunks")
+        self._log.warning(kind, "%s chunk %s left in place, not served: %s", kind,
                           spec.key.chunk_hash, exc)
         with self._foreign_lock:
             if len(self._foreign) >= _FOREIGN_KEPT:
