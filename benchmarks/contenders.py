@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 import torch
@@ -102,8 +103,12 @@ def redis_py_whole(server: LocalRedis, chunks: Sequence[torch.Tensor]) -> Conten
                      close=client.close)
 
 
-def tier(server: LocalRedis, source: TierSource, codec: str) -> Contender:
-    t = RedisTier(_config(server.url, codec), source.shape.layout, source.pool, Metrics())
+def tier(server: LocalRedis, source: TierSource, codec: str, label: str = "",
+         **overrides: Any) -> Contender:
+    """`RedisTier` put and get of the chunks; ``overrides``: more configuration (its name
+    gets ``label``)."""
+    t = RedisTier(_config(server.url, codec, **overrides), source.shape.layout, source.pool,
+                  Metrics())
     keys = [s.key for s in source.specs]
     last: list[MemoryObj] = []
 
@@ -119,15 +124,16 @@ def tier(server: LocalRedis, source: TierSource, codec: str) -> Contender:
             obj.release()
         last.clear()
 
-    return Contender(f"RedisTier {codec}", lambda: t.put(keys, source.objs), get,
+    return Contender(f"RedisTier {codec}{label}", lambda: t.put(keys, source.objs), get,
                      lambda: t.delete(keys), check=check, after=after, close=t.close)
 
 
 def engine(server: LocalRedis, shape: Shape, kv: KVView, dest: KVView, num_tokens: int,
-           codec: str) -> Contender:
-    """A synchronous store and a Redis-hit retrieve (local tier off), KV copies included."""
-    e = CacheEngine(_config(server.url, codec, store_async=False, local_cpu=False),
-                    shape.metadata())
+           codec: str, label: str = "", **overrides: Any) -> Contender:
+    """A synchronous store and a Redis-hit retrieve (local tier off), KV copies included;
+    ``overrides``: more configuration (its name gets ``label``)."""
+    e = CacheEngine(_config(server.url, codec, store_async=False, local_cpu=False,
+                            **overrides), shape.metadata())
     tokens = list(range(num_tokens))
     salts = itertools.count()
     salt = ["s"]
@@ -139,7 +145,7 @@ def engine(server: LocalRedis, shape: Shape, kv: KVView, dest: KVView, num_token
     def get() -> None:
         assert int(e.retrieve(tokens, dest, cache_salt=salt[0]).sum()) == num_tokens
 
-    return Contender(f"engine {codec}", put, get, server.clear,
+    return Contender(f"engine {codec}{label}", put, get, server.clear,
                      check=lambda: same_kv(kv, dest, shape, num_tokens), close=e.close)
 
 

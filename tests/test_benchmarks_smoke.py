@@ -5,6 +5,7 @@ the real lmcache package beside the project."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,17 @@ def test_benchmark_suite_runs_in_tiny_mode(tmp_path: Path) -> None:
     for name in ("LMCache redis://", "LMCache resp://", "RedisTier raw", "engine raw"):
         for op in ("store", "retrieve"):
             assert any(f"| {name}: {op} |" in line for line in busy), (name, op)
+
+
+def test_integrity_benchmark_runs_in_tiny_mode() -> None:
+    """`benchmarks.integrity`: both contenders with and without the key, every ratio."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.integrity", "--tiny", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    (section,) = result["sets"].values()
+    for name in ("RedisTier raw", "engine raw"):
+        for op in ("store", "retrieve"):
+            for label in ("", " + integrity_key"):
+                assert section["figures"][f"{name}{label}: {op}"] > 0
+    assert len(section["ratios"]) == 4 and result["mac_gbps"] > 0
