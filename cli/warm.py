@@ -31,16 +31,20 @@ from lmcache_remote_cli.transfer import import_file
               help="With --model-path: text lines, or .jsonl lines of token id lists/strings.")
 @click.option("--model-name", help="With --model-path: model name in the keys "
               "(default: the folder's name).")
+@click.option("--model-fingerprint", default="auto", show_default=True,
+              help="With --model-path: 'auto' (the keys name the folder's weights, as vLLM's "
+              "connector does), 'off' (the name alone) or a string used as the fingerprint.")
 @click.option("--device", help="With --model-path: torch device for the model (default cpu).")
 def warm(cx: CliContext, from_file: str | None, model_path: str | None,
-         prompts_file: str | None, model_name: str | None, device: str | None) -> None:
+         prompts_file: str | None, model_name: str | None, model_fingerprint: str,
+         device: str | None) -> None:
     """Warm the cache from a snapshot, or from a model and prompts; chunks already present
     (or prompts already cached) are skipped."""
     if (from_file is None) == (model_path is None):
         raise click.UsageError("give one source: --from FILE, or --model-path DIR --prompts FILE")
     if from_file is None:
         assert model_path is not None
-        _warm_from_model(cx, model_path, prompts_file, model_name, device)
+        _warm_from_model(cx, model_path, prompts_file, model_name, model_fingerprint, device)
         return
     result = _warm_from_file(cx, from_file)
     if cx.json:
@@ -57,7 +61,9 @@ def _warm_from_file(cx: CliContext, path: str) -> dict[str, Any]:
 
 
 def _warm_from_model(cx: CliContext, model_path: str, prompts_file: str | None,
-                     model_name: str | None, device: str | None) -> None:
+                     model_name: str | None, model_fingerprint: str, device: str | None
+                     ) -> None:
+    from lmcache_remote.fingerprint import FingerprintError
     from lmcache_remote.integrations.warmup import PromptFileError, warm_from_model
 
     if prompts_file is None:
@@ -65,9 +71,12 @@ def _warm_from_model(cx: CliContext, model_path: str, prompts_file: str | None,
     with cx.progress("warming prompts", None, unit="prompts") as advance:
         try:
             result = warm_from_model(cx.config, model_path, prompts_file, model_name=model_name,
-                                     device=device, progress=advance)
+                                     model_fingerprint=model_fingerprint, device=device,
+                                     progress=advance)
         except PromptFileError as exc:
             raise click.BadParameter(str(exc), param_hint="--prompts") from None
+        except FingerprintError as exc:
+            raise click.BadParameter(str(exc), param_hint="--model-fingerprint") from None
     doc = {"source": model_path, "prompts_file": prompts_file, **result.to_dict()}
     if cx.json:
         cx.emit(doc)

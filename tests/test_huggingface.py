@@ -167,14 +167,17 @@ def test_engine_for_another_model_is_refused(redis_url: str, key_prefix: str) ->
 
 def test_another_process_hits_from_redis(tmp_path: Path, redis_url: str,
                                          key_prefix: str) -> None:
-    model = tiny_model("qwen2", seed=3)
+    from transformers import AutoModelForCausalLM
+
     folder = tmp_path / "tiny-qwen2"
-    model.save_pretrained(folder)
+    tiny_model("qwen2", seed=3).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()  # as the other process does
     ids = prompt(90, seed=9)
-    with CachedLM.open(model, cache_engine(model, redis_url, key_prefix).config,
-                       model_name="tiny-qwen2") as lm:
+    with CachedLM.open(model, cache_engine(model, redis_url, key_prefix).config) as lm:
+        assert lm.engine.metadata.model_name.startswith("tiny-qwen2@f1-")
         assert lm.prefill(ids).stored_tokens == [80]
         assert lm.engine.flush()
+        namespace = lm.engine.metadata.model_name
     env = dict(os.environ, PYTHONPATH=str(HERE), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, str(HERE / "hf_worker.py"), str(folder), redis_url, key_prefix,
@@ -183,7 +186,7 @@ def test_another_process_hits_from_redis(tmp_path: Path, redis_url: str,
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["model_name"] == "tiny-qwen2"  # the folder name, as this process used
+    assert out["model_name"] == namespace  # the folder's name and weights, as here
     assert out["hit_tokens"] == 80 and out["remote_hit_chunks"] == 80 // CHUNK
     assert out["max_diff"] <= TOL
 

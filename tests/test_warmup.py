@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,8 @@ def test_warm_text_prompts_then_an_engine_hits(model_dir: Path, tmp_path: Path,
     result = warm(model_dir, prompts, redis_url, key_prefix, "--json")
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert doc["model_name"] == "tiny-llama"  # the folder's name
+    # the folder's name and its weights' fingerprint, as the engine below makes them
+    assert doc["model_name"].startswith("tiny-llama@f1-")
     # the second prompt's 2 whole chunks are the first prompt's: already cached when it comes
     assert (doc["prompts"], doc["warmed"], doc["skipped"], doc["too_short"]) == (3, 1, 1, 1)
     assert doc["computed_tokens"] == 48
@@ -63,6 +65,7 @@ def test_warm_text_prompts_then_an_engine_hits(model_dir: Path, tmp_path: Path,
     ids = AutoTokenizer.from_pretrained(model_dir)(lines[0] + " follows")["input_ids"]
     assert len(ids) == 49
     with cached_lm(model_dir, redis_url, key_prefix) as lm:
+        assert lm.engine.metadata.model_name == doc["model_name"]
         out = lm.prefill(torch.tensor([ids]))
         assert out.hit_tokens == 48  # the warmed 48-token prompt's 3 chunks, from Redis
         assert lm.engine.stats()["remote"]["hit_chunks"] == 3
@@ -90,7 +93,7 @@ def test_warm_human_output_and_bad_prompt_file(model_dir: Path, tmp_path: Path,
     good.write_text(json.dumps(list(range(20))) + "\n")
     result = warm(model_dir, good, redis_url, key_prefix)
     assert result.exit_code == 0, result.stderr
-    assert "tiny-llama: 1 prompts warmed" in result.stdout
+    assert re.search(r"tiny-llama@f1-[0-9a-f]{16}: 1 prompts warmed", result.stdout)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps([1, 2]) + "\n" + json.dumps({"x": 1}) + "\n")
     result = warm(model_dir, bad, redis_url, key_prefix)

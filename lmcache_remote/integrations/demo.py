@@ -189,7 +189,10 @@ def run_demo(config: CacheConfig, options: DemoOptions, note: Note | None = None
         run_config = dataclasses.replace(config, remote_url=url, key_prefix=prefix,
                                          stats_publish_interval=None)  # chunks only
         model, label = _model(options, say)
-        meta = engine_metadata(model, model_name=options.model_name or _default_name(options))
+        # a folder's weights name its keys; the built-in tiny model has no files (and its
+        # prefix is the demo's own): its name alone
+        meta = engine_metadata(model, model_name=options.model_name or _default_name(options),
+                               model_fingerprint="auto" if options.model_path else "off")
         vocab, max_len = int(model.config.vocab_size), _max_len(model)
         rounds = [_workload(options, vocab, max_len, r) for r in range(options.rounds + 1)]
         report = DemoReport(

@@ -26,12 +26,17 @@ Rules that keep the output equal to a full recompute:
   its own prefix and its own chunks. Prompts of different lengths go in separate calls.
 - Only the prompt's KV is stored, never generated tokens'.
 
-Model name (the `model_name` of the cache keys; `engine_metadata` and `model_name_for`): the
-`model_name` argument when given; otherwise the config's `name_or_path` (what
+Model namespace (the model field of the cache keys; `engine_metadata`): the model name, then
+`@` and the fingerprint of the weights (`lmcache_remote.fingerprint`, docs/key-schema.md). The
+name is the `model_name` argument when given; otherwise the config's `name_or_path` (what
 `from_pretrained` was called with): a local folder gives its folder name (`/models/tiny-llama`
--> `tiny-llama`), a hub id is used as is. A model built from a config has no name: pass one.
-Engines that share chunks (another transformers process, vLLM) must use the same name, world
-size and KV dtype.
+-> `tiny-llama`), a hub id is used as is (`model_name_for`). The fingerprint is read from the
+files `name_or_path` names (the folder, or the hub id's local snapshot), as vLLM's connector
+reads them: the two share chunks of the same files by default. `model_fingerprint="off"`
+leaves the name alone, any other string is used as the fingerprint. A model built from a
+config has no name and no files: pass `model_name`; its keys then carry the name alone (a
+WARNING says so). Engines that share chunks must have the same namespace, world size and KV
+dtype.
 
 transformers is imported when a function here needs it, not at import time.
 """
@@ -41,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import os
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +54,14 @@ import torch
 from lmcache_remote.config import CacheConfig, load_config
 from lmcache_remote.connectors import DenseKV
 from lmcache_remote.engine import CacheEngine, EngineMetadata
+from lmcache_remote.fingerprint import (
+    model_fingerprint,
+    model_folder,
+    model_name_of,
+    namespace,
+    resolve_fingerprint,
+)
+from lmcache_remote.serde import dtype_name
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -66,16 +78,14 @@ def model_name_for(config: Any) -> str:
         raise ValueError(
             "the model has no name_or_path (built from a config?): pass model_name=..."
         )
-    path = os.path.expanduser(name)
-    if os.path.isdir(path):
-        return os.path.basename(os.path.normpath(os.path.abspath(path)))
-    return name
+    return model_name_of(name)
 
 
 def engine_metadata(
     model: Any,
     *,
     model_name: str | None = None,
+    model_fingerprint: str = "auto",
     dtype: torch.dtype | None = None,
     world_size: int = 1,
     worker_id: int = 0,
@@ -84,7 +94,8 @@ def engine_metadata(
 
     Layers: `num_hidden_layers`; KV heads: `num_key_value_heads` (default
     `num_attention_heads`); head size: `head_dim` when the config has one, else
-    `hidden_size // num_attention_heads`; KV dtype: the model's dtype.
+    `hidden_size // num_attention_heads`; KV dtype: the model's dtype. Model field: the
+    namespace of the module docstring (`model_fingerprint`: "auto", "off" or a string).
     """
     config = getattr(model, "config", model)
     if dtype is None:
@@ -95,10 +106,27 @@ def engine_metadata(
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    name = model_name or model_name_for(config)
     return EngineMetadata(
-        model_name or model_name_for(config), world_size, worker_id, dtype,
-        int(text.num_hidden_layers), kv_heads, head_dim,
+        namespace(name, _fingerprint(config, dtype, model_fingerprint, name)), world_size,
+        worker_id, dtype, int(text.num_hidden_layers), kv_heads, head_dim,
     )
+
+
+def _fingerprint(config: Any, dtype: torch.dtype, setting: str, name: str) -> str | None:
+    source = str(getattr(config, "name_or_path", "") or "")
+    folder = model_folder(source) if source else None
+    if folder is None and setting == "auto":
+        logger.warning("model %s has no files to fingerprint (built from a config?): its "
+                       "cache keys name it by model_name alone", name)
+        return None
+    # (loaded from files: quantization applied at load time shows in the config, which the
+    # fingerprint covers; bitsandbytes keeps a quantization_config there too)
+    def compute() -> str:
+        assert folder is not None  # "auto" without a folder returned above
+        return model_fingerprint(folder, kv_dtype=dtype_name(dtype))
+
+    return resolve_fingerprint(setting, compute)
 
 
 @dataclasses.dataclass
@@ -151,7 +179,8 @@ class CachedLM:
         self.store_enabled = store
         self.cache_salt = cache_salt
         self._owns_engine = owns_engine
-        want = engine_metadata(model, model_name=engine.metadata.model_name)
+        want = engine_metadata(model, model_name=engine.metadata.model_name,
+                               model_fingerprint="off")  # the geometry is what is checked
         got = engine.metadata
         if (got.num_layers, got.num_kv_heads, got.head_size, got.kv_dtype) != (
             want.num_layers, want.num_kv_heads, want.head_size, want.kv_dtype
@@ -170,11 +199,13 @@ class CachedLM:
         config: CacheConfig | None = None,
         *,
         model_name: str | None = None,
+        model_fingerprint: str = "auto",
         **kwargs: Any,
     ) -> CachedLM:
         """A `CachedLM` with its own engine (`load_config()` when `config` is None), closed
-        with it."""
-        engine = CacheEngine(config or load_config(), engine_metadata(model, model_name=model_name))
+        with it; `model_name` and `model_fingerprint` as `engine_metadata`'s."""
+        meta = engine_metadata(model, model_name=model_name, model_fingerprint=model_fingerprint)
+        engine = CacheEngine(config or load_config(), meta)
         return cls(model, engine, owns_engine=True, **kwargs)
 
     def __enter__(self) -> CachedLM:

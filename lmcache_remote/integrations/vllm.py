@@ -69,6 +69,14 @@ try:  # vLLM 0.32 and 0.33 have it; the connector works without it (no scheduler
 except ImportError:  # pragma: no cover - older releases
     KVConnectorWorkerMetadata = object
 
+from lmcache_remote.fingerprint import (
+    FingerprintError,
+    model_fingerprint,
+    model_folder,
+    model_name_of,
+    namespace,
+    resolve_fingerprint,
+)
 from lmcache_remote.integrations.vllm_core import (
     ROLES,
     CachedRequest,
@@ -83,6 +91,7 @@ from lmcache_remote.integrations.vllm_core import (
     load_settings,
 )
 from lmcache_remote.layout_proof import CacheWriter
+from lmcache_remote.serde import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +135,7 @@ class LmcrConnector(KVConnectorBase_V1):
             raise ValueError(f"kv_role must be one of {ROLES}, got {kv_role!r}")
         can_save = kv_role != "kv_consumer"
         can_load = kv_role != "kv_producer"
-        model = self._settings.model_name or str(vllm_config.model_config.model)
+        model = model_namespace(self._settings, vllm_config)
         parallel = vllm_config.parallel_config
         world_size = int(getattr(parallel, "world_size", 1) or 1)
         self._geometry = _spec_geometry(vllm_config, kv_cache_config)
@@ -352,6 +361,59 @@ def _spec_geometry(vllm_config: Any, kv_cache_config: Any | None) -> KVGeometry 
                           int(model.get_head_size()), dtype, use_mla)
     except (AttributeError, TypeError):  # a config without a model: the tensors will tell
         return None
+
+
+def model_namespace(settings: ConnectorSettings, vllm_config: Any) -> str:
+    """The model field of the keys: `model_name` (default: the model folder's name, a hub id
+    as is) and, unless `model_fingerprint` is "off", `@` and the fingerprint of the weights
+    vLLM loads (`lmcache_remote.fingerprint`; the same as the transformers integration's for
+    the same files). Logged once per process at INFO."""
+    model_config = vllm_config.model_config
+    source = str(model_config.model)
+    folder = model_folder(source, getattr(model_config, "revision", None))
+    name = settings.model_name or model_name_of(source)
+
+    def compute() -> str:
+        if folder is None:
+            raise FingerprintError(
+                f"cannot find the files of model {source!r} to fingerprint them: set "
+                "kv_connector_extra_config's model_fingerprint to a string that names these "
+                "weights, or to 'off'")
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+        kv_dtype = cache_torch_dtype(cache_dtype, model_config.dtype)
+        return model_fingerprint(folder, kv_dtype=dtype_name(kv_dtype),
+                                 quantization=_load_time_quantization(model_config),
+                                 overrides=_plain_overrides(model_config))
+
+    space = namespace(name, resolve_fingerprint(settings.model_fingerprint, compute))
+    logger.info("lmcache-remote: model namespace %s (model %s, model_fingerprint %s)",
+                space, source, settings.model_fingerprint)
+    return space
+
+
+def _load_time_quantization(model_config: Any) -> str | None:
+    """vLLM's quantization method where the config's `quantization_config` does not already
+    name it (the fingerprint covers the config): `--quantization fp8` of unquantized weights."""
+    method = getattr(model_config, "quantization", None)
+    if not method:
+        return None
+    hf_config = getattr(model_config, "hf_config", None)
+    quant = getattr(hf_config, "quantization_config", None)
+    named = quant.get("quant_method") if isinstance(quant, dict) else getattr(
+        quant, "quant_method", None)
+    return None if str(named or "") == str(method) else str(method)
+
+
+def _plain_overrides(model_config: Any) -> dict[str, Any]:
+    """vLLM's `hf_overrides` as config fields; a function that rewrites the config is named by
+    its module and qualified name (what it returns cannot be seen from here)."""
+    overrides = getattr(model_config, "hf_overrides", None)
+    if not overrides:
+        return {}
+    if callable(overrides):
+        name = f"{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}"
+        return {"__hf_overrides_function__": name}
+    return dict(overrides)
 
 
 def _is_mla(spec: Any) -> bool:

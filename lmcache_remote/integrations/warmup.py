@@ -14,9 +14,11 @@ Prompts file (`read_prompts`):
   as `tokenizer(line)["input_ids"]` (special tokens added as that tokenizer does by default;
   pre-render chat templates, or give token ids, to match what the serving engine sends).
 
-Model name: `huggingface.model_name_for` (the folder's name, e.g. `/models/tiny-llama` ->
-`tiny-llama`) unless `model_name` is given; an engine hits these chunks only under the same
-name, dtype and chunk size.
+Model namespace: as `huggingface.engine_metadata` makes it: the folder's name (e.g.
+`/models/tiny-llama` -> `tiny-llama`) unless `model_name` is given, then `@` and the
+fingerprint of the folder's weights (`model_fingerprint`: "auto", "off" or a string); an engine
+hits these chunks only under the same namespace, dtype and chunk size (vLLM's connector,
+loading the same folder, makes the same one).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def warm_from_model(
     prompts_path: str | Path,
     *,
     model_name: str | None = None,
+    model_fingerprint: str = "auto",
     device: str | None = None,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[int], None] | None = None,
@@ -121,7 +124,7 @@ def warm_from_model(
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype="auto").eval()
     if device is not None:
         model = model.to(device)
-    meta = engine_metadata(model, model_name=model_name)
+    meta = engine_metadata(model, model_name=model_name, model_fingerprint=model_fingerprint)
     result = WarmResult(meta.model_name, prompts=len(prompts))
     extra = ({"logits_to_keep": 1}
              if "logits_to_keep" in inspect.signature(model.forward).parameters else {})

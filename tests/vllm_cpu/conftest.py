@@ -32,14 +32,14 @@ def engines(model_dir: Path, redis_url: str, key_prefix: str, tmp_path: Path
             ) -> Iterator[Callable[..., Engine]]:
     """`engines(connector=True|False|{extra config}, block_size=128, prefix_caching=False)`:
     with a connector, it uses this test's Redis and key prefix, no local tier (every hit
-    crosses Redis), the model name `MODEL_NAME`."""
+    crosses Redis), the default model namespace: the folder's name (`MODEL_NAME`) and the
+    fingerprint of its weights, the one the transformers integration makes of them too."""
     made: list[Engine] = []
 
     def make(*, connector: bool | dict[str, Any] = True, **spec: Any) -> Engine:
         extra = None
         if connector is not False:
             extra = {"remote_url": redis_url, "key_prefix": key_prefix, "local_cpu": False,
-                     "model_name": MODEL_NAME,
                      **(connector if isinstance(connector, dict) else {})}
         made.append(Engine({"model": str(model_dir), "connector": extra, **spec},
                            tmp_path / f"engine{len(made)}.log"))

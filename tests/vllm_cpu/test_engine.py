@@ -108,7 +108,18 @@ def _cached_lm(model_dir: Path, redis_url: str, key_prefix: str) -> Any:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     config = load_config(remote_url=redis_url, key_prefix=key_prefix, local_cpu=False,
                          store_async=False)
-    return CachedLM.open(model, config, model_name=MODEL_NAME)
+    return CachedLM.open(model, config)  # the default namespace: name@fingerprint
+
+
+def _namespaces(redis_url: str, key_prefix: str) -> set[str]:
+    """The model fields of the chunk keys under `key_prefix`."""
+    import redis
+
+    from lmcache_remote.keys import scan_pattern, split_part_key
+
+    with redis.Redis.from_url(redis_url) as client:
+        keys = [k.decode() for k in client.scan_iter(match=scan_pattern(key_prefix))]
+    return {split_part_key(key_prefix, k)[0].model_name for k in keys}
 
 
 def _full_kv(lm: Any, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,6 +146,10 @@ def test_transformers_and_vllm_read_each_others_chunks(
     writer.generate(P1)
     writer.close()
     with _cached_lm(model_dir, redis_url, key_prefix) as lm:
+        # one namespace of the same files, computed by vLLM's connector and by transformers
+        space = lm.engine.metadata.model_name
+        assert space.startswith(f"{MODEL_NAME}@f1-")
+        assert _namespaces(redis_url, key_prefix) == {space}
         loaded, hit_tokens = lm.load(torch.tensor([P2]))
         assert hit_tokens == SHARED
         own = _full_kv(lm, P2[:SHARED])
@@ -174,7 +189,7 @@ def servers(model_dir: Path, redis_url: str, key_prefix: str, tmp_path: Path
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {"remote_url": redis_url,
                                                   "key_prefix": key_prefix,
-                                                  "local_cpu": False, "model_name": MODEL_NAME}}
+                                                  "local_cpu": False}}
         log = (tmp_path / f"serve{len(procs)}.log").open("wb")
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "vllm_cpu" / "serve.py"), "serve",

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import pickle
+import struct
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -97,8 +98,13 @@ MODEL_NAME = "tiny-llama"
 
 
 def model_config(folder: Path) -> ModelConfig:
-    """A ModelConfig of a tiny Llama from a config.json written into `folder` (no weights)."""
+    """A ModelConfig of a tiny Llama from a config.json written into `folder`, with a
+    one-tensor `model.safetensors` that the connector's model fingerprint reads (the forward
+    is faked here: vLLM never loads it)."""
     folder.mkdir(parents=True, exist_ok=True)
+    header = b'{"placeholder":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    (folder / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(header)) + header + struct.pack("<2f", 1.0, 2.0))
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": HEADS,

@@ -69,6 +69,47 @@ def test_bad_extra_config_stops_vllm_at_start_up(engines: Engines) -> None:
         engines(layerwise="yes")
 
 
+def test_the_keys_name_the_weights_vllm_loads(engines: Engines, redis_url: str,
+                                              key_prefix: str, tmp_path: Any) -> None:
+    """The model field of the keys is `{folder name}@{fingerprint}` by default, the same on
+    the scheduler and the workers, the fingerprint the transformers integration computes for
+    the folder (`model_fingerprint`); vLLM's `hf_overrides` and a load-time quantization
+    change it; `off` and an explicit string are honoured; a model whose files cannot be found
+    stops vLLM at start-up with an error that says what to set."""
+    import copy
+
+    from lmcache_remote.fingerprint import FingerprintError, model_fingerprint
+    from lmcache_remote.integrations.vllm import model_namespace
+    from lmcache_remote.integrations.vllm_core import load_settings
+
+    engine = engines()
+    prefill(engine, "a", prompt(CHUNK + 10, seed=1))
+    assert engine.worker_engine().flush(5.0)
+    folder = engine.config.model_config.model
+    want = f"{rig.MODEL_NAME}@{model_fingerprint(folder, kv_dtype='bfloat16')}"
+    with redis.Redis.from_url(redis_url) as client:
+        keys = chunk_keys(client, key_prefix)
+    assert keys and {k.split(":")[2] for k in keys} == {want}
+    settings = load_settings({})
+    assert model_namespace(settings, engine.config) == want
+    changed = copy.deepcopy(engine.config)
+    changed.model_config.hf_overrides = {"rope_theta": 1e6}
+    assert model_namespace(settings, changed) not in (want, None)
+    changed = copy.deepcopy(engine.config)
+    changed.model_config.quantization = "fp8"
+    assert model_namespace(settings, changed) != want
+    assert model_namespace(load_settings({"model_fingerprint": "off"}), engine.config
+                           ) == rig.MODEL_NAME
+    assert model_namespace(load_settings({"model_fingerprint": "run-7", "model_name": "m"}),
+                           engine.config) == "m@run-7"
+    with pytest.raises(ConfigError, match="model_fingerprint"):
+        load_settings({"model_fingerprint": "two words"})
+    gone = copy.deepcopy(engine.config)
+    gone.model_config.model = str(tmp_path / "nowhere")
+    with pytest.raises(FingerprintError, match="model_fingerprint"):
+        model_namespace(settings, gone)
+
+
 # -- loads across engines, every layout -------------------------------------------------------
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])

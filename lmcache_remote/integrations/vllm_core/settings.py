@@ -31,15 +31,15 @@ CACHE_DTYPES: dict[str, torch.dtype] = {
 class ConnectorSettings:
     """What `kv_connector_extra_config` configures. `config_file` names a YAML file of
     `CacheConfig` fields (as `load_config`), every other key except `layerwise`,
-    `model_name`, `async_load_min_tokens`, `async_save` and `lookup_wait_ms` overrides one
-    field; an unknown key is a
+    `model_name`, `model_fingerprint`, `async_load_min_tokens`, `async_save` and
+    `lookup_wait_ms` overrides one field; an unknown key is a
     `ConfigError` naming it."""
 
     config: CacheConfig
     layerwise: bool = True
     """Load in `wait_for_layer_load` and store in `save_kv_layer`, one layer at a time."""
     model_name: str | None = None
-    """The model name in the keys; default: vLLM's `model_config.model`."""
+    """The model name in the keys; default: the model folder's name (a hub id as is)."""
     async_load_min_tokens: int | None = DEFAULT_ASYNC_LOAD_MIN_TOKENS
     """Hits of at least this many tokens load in the background (the request waits in
     `WAITING_FOR_REMOTE_KVS` while the others run); smaller ones within the step, where the
@@ -50,6 +50,10 @@ class ConnectorSettings:
     preempted request's stores finish before its blocks are reused. Off: stores copy within
     the step (layer by layer with `layerwise`) and only the Redis write is in the
     background."""
+    model_fingerprint: str = "auto"
+    """"auto": the keys' model field is `{model_name}@{fingerprint of the weights}`
+    (`lmcache_remote.fingerprint`, docs/key-schema.md); "off": the name alone; any other
+    string: used as the fingerprint."""
     lookup_wait_ms: float | None = None
     """The scheduler's lookups run on a thread of their own, and vLLM's scheduler waits at
     most this long for one; a request whose lookup takes longer is asked about again on a
@@ -78,8 +82,12 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     if wait_ms is not None and (isinstance(wait_ms, bool) or not isinstance(wait_ms, int | float)
                                 or wait_ms < 0):
         raise ConfigError("lookup_wait_ms", f"must be a number >= 0 or null, got {wait_ms!r}")
+    fingerprint = values.pop("model_fingerprint", "auto")
+    if not isinstance(fingerprint, str) or not fingerprint or any(c.isspace() for c in fingerprint):
+        raise ConfigError("model_fingerprint", f"must be 'auto', 'off' or a string without "
+                          f"spaces, got {fingerprint!r}")
     return ConnectorSettings(load_config(path, **values), layerwise, model_name, async_min,
-                             async_save, wait_ms)
+                             async_save, fingerprint, wait_ms)
 
 
 @dataclasses.dataclass(frozen=True)
