@@ -172,6 +172,16 @@ class CacheEngine:
         self._close_lock = threading.Lock()
         self._check_remote_at_start()
 
+    def rename_model(self, model_name: str) -> None:
+        """From now on every key names `model_name` (vLLM's connector calls it when the
+        weights change under a running engine: KV computed before must not be found under the
+        new name, nor the new KV under the old one). Calls already running finish under the
+        old name; chunks stored under it stay there for engines that still use it."""
+        namespace = dataclasses.replace(self.token_db.namespace, model_name=model_name)
+        self.metadata = dataclasses.replace(self.metadata, model_name=model_name)
+        self.token_db = TokenDatabase(namespace, self.config.chunk_size,
+                                      self.config.save_unfull_chunk)
+
     # -- context manager --------------------------------------------------------------------
 
     def __enter__(self) -> CacheEngine:

@@ -53,6 +53,7 @@ for piecewise CUDA graphs: under full graphs the per-layer hooks would be skippe
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,9 +106,11 @@ class LmcrConnectorMetadata(KVConnectorMetadata):
     """One step's plans, sent by the scheduler to every worker, and the requests vLLM
     preempted in this step (their blocks are about to be reused)."""
 
-    def __init__(self, requests: list[RequestPlan], preempted: set[str] | None = None) -> None:
+    def __init__(self, requests: list[RequestPlan], preempted: set[str] | None = None,
+                 namespace: str | None = None) -> None:
         self.requests = requests
         self.preempted = preempted or set()
+        self.namespace = namespace  # the scheduler's model namespace: the workers follow it
 
 
 class LmcrWorkerMetadata(KVConnectorWorkerMetadata):
@@ -136,6 +139,7 @@ class LmcrConnector(KVConnectorBase_V1):
         can_save = kv_role != "kv_consumer"
         can_load = kv_role != "kv_producer"
         model = model_namespace(self._settings, vllm_config)
+        self._namespace = self._base_namespace = model
         parallel = vllm_config.parallel_config
         world_size = int(getattr(parallel, "world_size", 1) or 1)
         self._geometry = _spec_geometry(vllm_config, kv_cache_config)
@@ -182,7 +186,11 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._worker_side().begin_step(list(getattr(connector_metadata, "requests", [])))
+        worker = self._worker_side()
+        namespace = getattr(connector_metadata, "namespace", None)
+        if namespace:
+            worker.rename_model(namespace)
+        worker.begin_step(list(getattr(connector_metadata, "requests", [])))
 
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33's sleep: every transfer is finished and nothing touches the caches until
@@ -276,7 +284,23 @@ class LmcrConnector(KVConnectorBase_V1):
             getattr(scheduler_output, "finished_req_ids", ()) or (),
         )
         return LmcrConnectorMetadata(
-            plans, set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+            plans, set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+            self._namespace)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's `reset_prefix_cache(reset_connector=True)` (and `pause_generation` with
+        `clear_cache`, the weight-update path of RLHF frameworks): nothing cached before may be
+        served by this engine again, the weights may have changed. Redis is the fleet's, so
+        nothing is deleted: the engine moves to a namespace of its own, `{namespace}+{8 random
+        hex digits}`, the scheduler's lookups at once, the workers with the next step's
+        metadata. Logged at INFO. The worker side is never asked (None)."""
+        if self._lookup is None:
+            return None
+        self._namespace = f"{self._base_namespace}+{secrets.token_hex(4)}"
+        self._lookup.rename_model(self._namespace)
+        logger.info("lmcache-remote: connector cache reset: model namespace %s from now on "
+                    "(nothing stored before is served by this engine)", self._namespace)
+        return True
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

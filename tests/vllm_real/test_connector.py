@@ -110,6 +110,31 @@ def test_the_keys_name_the_weights_vllm_loads(engines: Engines, redis_url: str,
         model_namespace(settings, gone)
 
 
+def test_a_connector_reset_moves_the_engine_to_a_namespace_of_its_own(
+        engines: Engines, redis_url: str, key_prefix: str) -> None:
+    """vLLM's `reset_prefix_cache(reset_connector=True)` (the weight-update path: the weights
+    may have changed): the engine serves nothing stored before, neither the scheduler's
+    lookups nor the workers' loads; what it stores after lands under `{namespace}+{hex}`;
+    another engine on the old weights still hits the old chunks."""
+    tokens = prompt(2 * CHUNK + 10, seed=5)
+    a = engines()
+    prefill(a, "before", tokens)
+    assert a.worker_engine().flush(5.0)
+    old = a.worker_engine().metadata.model_name
+    assert a.scheduler.reset_prefix_cache(reset_connector=True)
+    prefill(a, "after", tokens)
+    assert retrieved(a) == 0  # not loaded: computed again with the (new) weights
+    assert a.worker_engine().flush(5.0)
+    new = a.worker_engine().metadata.model_name
+    assert new.startswith(old + "+") and len(new) == len(old) + 9
+    with redis.Redis.from_url(redis_url) as client:
+        spaces = {k.split(":")[2] for k in chunk_keys(client, key_prefix)}
+    assert spaces == {old, new}
+    b = engines()  # started on the old weights: the old namespace, its chunks
+    prefill(b, "b", tokens)
+    assert retrieved(b) == 2 * CHUNK
+
+
 # -- loads across engines, every layout -------------------------------------------------------
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])

@@ -23,6 +23,7 @@ waits, in the scheduler's own thread: the answer must cost one round trip and no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,6 +65,11 @@ class PrefixLookup:
     @property
     def namespaces(self) -> list[KeyNamespace]:
         return list(self._namespaces)
+
+    def rename_model(self, model_name: str) -> None:
+        """Look up under `model_name` from now on (every rank's namespace)."""
+        self._namespaces = [dataclasses.replace(ns, model_name=model_name)
+                            for ns in self._namespaces]
 
     def __call__(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
         """Leading tokens whose chunks every namespace holds now (0 on any remote failure)."""

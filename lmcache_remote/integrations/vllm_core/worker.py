@@ -110,6 +110,16 @@ class WorkerSide:
         meta = self.geometry.metadata(self.model_name, self.world_size, self.rank)
         self.engine = CacheEngine(self.settings.config, meta)
 
+    def rename_model(self, model_name: str) -> None:
+        """Keys name `model_name` from now on (the scheduler moved to it: `reset_cache`)."""
+        if model_name == self.model_name:
+            return
+        logger.info("lmcache-remote rank %d: model namespace %s (was %s)", self.rank,
+                    model_name, self.model_name)
+        self.model_name = model_name
+        if self.engine is not None:
+            self.engine.rename_model(model_name)
+
     def begin_step(self, plans: Sequence[RequestPlan]) -> None:
         """The step's plans, as vLLM binds them before the forward. Everything of the last
         step ends here (its loads finished, unstarted stores dropped): nothing may outlive it.
