@@ -64,6 +64,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 try:  # vLLM 0.32 and 0.33 have it; the connector works without it (no scheduler notice)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -91,6 +95,7 @@ from lmcache_remote.integrations.vllm_core import (
     cache_torch_dtype,
     load_settings,
 )
+from lmcache_remote.integrations.vllm_core import stats as connector_stats
 from lmcache_remote.layout_proof import CacheWriter
 from lmcache_remote.serde import dtype_name
 
@@ -124,6 +129,59 @@ class LmcrWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
+class LmcrConnectorStats(KVConnectorStats):
+    """One step's figures of a worker or the scheduler, as vLLM sums and reports them
+    (`vllm_core.stats`: the payload, its aggregation and its log line)."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {"counters": {}, "latency": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        return LmcrConnectorStats(data=connector_stats.aggregate(self.data, other.data))
+
+    def reduce(self) -> dict[str, int | float]:
+        return connector_stats.reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return connector_stats.is_empty(self.data)
+
+
+class LmcrPromMetrics(KVConnectorPromMetrics):
+    """The figures on vLLM's `/metrics` (the API server's registry, vLLM's labels): a counter
+    `vllm:lmcache_remote_<name>_total` per payload counter, a histogram per latency (the
+    cache's own buckets, replayed: `vllm_core.stats.bucket_values`)."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        names = connector_stats.prometheus_names()
+        self._counters = {
+            field: {idx: self._counter_cls(name=names[field], documentation=doc,
+                                           labelnames=labelnames).labels(*values)
+                    for idx, values in per_engine_labelvalues.items()}
+            for field, (_, doc) in connector_stats.COUNTERS.items()}
+        buckets = list(connector_stats.LATENCY_BUCKETS)
+        self._latency = {
+            field: {idx: self._histogram_cls(name=names[field], documentation=doc,
+                                             buckets=buckets, labelnames=labelnames
+                                             ).labels(*values)
+                    for idx, values in per_engine_labelvalues.items()}
+            for field, (_, doc) in connector_stats.LATENCIES.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for field, value in transfer_stats_data.get("counters", {}).items():
+            counter = self._counters.get(field, {}).get(engine_idx)
+            if counter is not None and value > 0:
+                counter.inc(value)
+        for field, counts in transfer_stats_data.get("latency", {}).items():
+            hist = self._latency.get(field, {}).get(engine_idx)
+            if hist is None:
+                continue
+            for value, n in connector_stats.bucket_values(counts):
+                for _ in range(n):
+                    hist.observe(value)
+
+
 class LmcrConnector(KVConnectorBase_V1):
     """lmcache-remote as a vLLM v1 KV connector; see the module docstring."""
 
@@ -144,6 +202,7 @@ class LmcrConnector(KVConnectorBase_V1):
         world_size = int(getattr(parallel, "world_size", 1) or 1)
         self._geometry = _spec_geometry(vllm_config, kv_cache_config)
         self._lookup: PrefixLookup | None = None
+        self._stats: connector_stats.StatsDelta | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -236,6 +295,34 @@ class LmcrConnector(KVConnectorBase_V1):
         if preempted:
             self._worker_side().wait_for_stores(preempted)
 
+    # -- vLLM's metrics ------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What changed since the last step: a worker's loads and stores, or the scheduler's
+        lookups and promises; vLLM sums them over every rank and the scheduler."""
+        if self._stats is None:
+            sources = ([self._scheduler.metrics] if self._scheduler is not None else []) + \
+                ([self._lookup.metrics] if self._lookup is not None else [])
+            if self._worker is not None:
+                if self._worker.engine is None:
+                    return None
+                sources = [self._worker.engine.metrics]
+            self._stats = connector_stats.StatsDelta(sources)
+        data = self._stats.take()
+        return None if connector_stats.is_empty(data) else LmcrConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return LmcrConnectorStats(data=dict(data)) if data else LmcrConnectorStats(
+            data={"counters": {}, "latency": {}})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return LmcrPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
 
@@ -266,7 +353,8 @@ class LmcrConnector(KVConnectorBase_V1):
         get_ids = getattr(blocks, "get_block_ids", None)
         self._scheduler_side().after_alloc(request.request_id, num_external_tokens,
                                            getattr(request, "cache_salt", None),
-                                           _group0(get_ids()) if get_ids else None)
+                                           _group0(get_ids()) if get_ids else None,
+                                           len(request.prompt_token_ids or []))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         new = [NewRequest(r.req_id, list(r.prompt_token_ids or []), _group0(r.block_ids) or [],

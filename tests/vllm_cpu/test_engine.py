@@ -17,6 +17,7 @@ writes), tensor parallelism (one worker).
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -239,3 +240,28 @@ def test_vllm_serve_second_servers_first_request_is_a_hit(servers: Callable[[], 
     second = servers()
     hit = _complete(second, model_dir, P2)
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == SHARED
+    # the connector's figures on vLLM's own /metrics (its stats interface, vLLM's labels),
+    # as a scrape sees them: vLLM records a step's stats after the step, so poll briefly
+    want = {"prompt_tokens": len(P2), "promised_tokens": SHARED, "retrieved_tokens": SHARED,
+            "remote_hit_tokens": SHARED}
+    deadline = time.monotonic() + 60
+    while True:
+        seen = _connector_counters(second)
+        if all(seen.get(name, 0) >= value for name, value in want.items()):
+            break
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.5)
+    assert seen["prompt_tokens"] == len(P2) and seen["promised_tokens"] == SHARED
+    assert seen.get("promise_broken_tokens", 0) == 0
+
+
+def _connector_counters(url: str) -> dict[str, float]:
+    """`vllm:lmcache_remote_<name>_total` on the server's /metrics, summed over labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"vllm:lmcache_remote_(\w+)_total(?:\{[^}]*\})? (\S+)$", line)
+        if match:
+            out[match[1]] = out.get(match[1], 0.0) + float(match[2])
+    return out

@@ -283,7 +283,7 @@ class Instance:
                  kv_role: str = "kv_both", connector: bool = True, layers: int = LAYERS,
                  kv_heads: int = HEADS, head_size: int = HEAD,
                  step_time: Callable[[SchedulerOutput], float] | None = None,
-                 fake_compute: bool = True) -> None:
+                 fake_compute: bool = True, log_stats: bool = False) -> None:
         self.mla, self.tp, self.layout = mla, tp, KVCacheLayout[layout]
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         self.heads = 1 if mla else kv_heads // tp
@@ -319,7 +319,9 @@ class Instance:
             self.config, groups, num_blocks * layers * spec.page_size_bytes)
         self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.scheduler = Scheduler(self.config, self.kv_cache_config,
-                                   StructuredOutputManager(self.config), block_size=BLOCK)
+                                   StructuredOutputManager(self.config), block_size=BLOCK,
+                                   log_stats=log_stats)
+        self.scheduler_stats: list[Any] = []  # with log_stats: each step's SchedulerStats
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)  # as EngineCore does when a connector is configured
@@ -390,6 +392,8 @@ class Instance:
         if merged.kv_connector_output is not None:
             self.invalid_blocks.append(set(merged.kv_connector_output.invalid_block_ids))
         for engine_out in self.scheduler.update_from_output(out, merged).values():
+            if engine_out.scheduler_stats is not None:
+                self.scheduler_stats.append(engine_out.scheduler_stats)
             for o in engine_out.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:

@@ -135,6 +135,55 @@ def test_a_connector_reset_moves_the_engine_to_a_namespace_of_its_own(
     assert retrieved(b) == 2 * CHUNK
 
 
+def test_the_connector_figures_reach_vllms_metrics_summed_over_ranks(
+        engines: Engines) -> None:
+    """vLLM's connector stats interface, through vLLM's own code: each rank's and the
+    scheduler's `get_kv_connector_stats` every step, summed by vLLM (its output aggregator
+    over 2 ranks, its scheduler), in `SchedulerStats`; then recorded by the connector's
+    Prometheus metrics (vLLM's labels) as the API server does, read back from the registry."""
+    import prometheus_client
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    tokens = prompt(2 * CHUNK + 30, seed=8)
+    writer = engines(tp=2)
+    prefill(writer, "w", tokens)
+    assert writer.worker_engine(0).flush(5.0) and writer.worker_engine(1).flush(5.0)
+    reader = engines(tp=2, log_stats=True)
+    prefill(reader, "r", tokens)
+    payloads = [s.kv_connector_stats for s in reader.scheduler_stats if s.kv_connector_stats]
+    assert payloads
+    total = LmcrConnector.build_kv_connector_stats(payloads[0])
+    for data in payloads[1:]:
+        total = total.aggregate(LmcrConnector.build_kv_connector_stats(data))
+    counters = total.data["counters"]
+    assert counters["prompt_tokens"] == len(tokens)
+    assert counters["promised_tokens"] == 2 * CHUNK and counters["lookup_requests"] >= 1
+    assert counters["retrieved_tokens"] == 2 * 2 * CHUNK  # each rank loads its heads
+    assert counters["remote_hit_tokens"] == 2 * 2 * CHUNK
+    assert counters["remote_read_bytes"] > 0
+    assert "promise_broken_tokens" not in counters
+    assert sum(total.data["latency"]["retrieve_seconds"]) >= 2
+    assert total.reduce()["cache_hit_rate"] == round(2 * CHUNK / len(tokens), 4)
+
+    registry = CollectorRegistry()
+
+    def kind(cls: Any) -> Any:
+        return lambda **kw: cls(registry=registry, **kw)
+
+    prom = LmcrConnector.build_prom_metrics(
+        reader.config, {Gauge: kind(Gauge), Counter: kind(Counter),
+                        Histogram: kind(Histogram)},
+        ["model_name", "engine"], {0: ["tiny", "0"]})
+    assert prom is not None
+    for data in payloads:
+        prom.observe(data, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    labels = '{engine="0",model_name="tiny"}'
+    assert f"vllm:lmcache_remote_promised_tokens_total{labels} {2 * CHUNK}.0" in text
+    assert f"vllm:lmcache_remote_retrieved_tokens_total{labels} {4 * CHUNK}.0" in text
+    assert "vllm:lmcache_remote_retrieve_seconds_count" in text
+
+
 # -- loads across engines, every layout -------------------------------------------------------
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])

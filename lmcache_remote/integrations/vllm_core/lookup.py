@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -73,6 +74,13 @@ class PrefixLookup:
 
     def __call__(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
         """Leading tokens whose chunks every namespace holds now (0 on any remote failure)."""
+        start = time.perf_counter()
+        try:
+            return self._lookup(tokens, cache_salt)
+        finally:
+            self.metrics.observe("lookup.seconds", time.perf_counter() - start)
+
+    def _lookup(self, tokens: Sequence[int], cache_salt: str | None) -> int:
         self.metrics.inc("lookup.requests")
         if self._remote is None:
             return 0

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
-from lmcache_remote.metrics import RateLimitedLogger
+from lmcache_remote.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,10 @@ class SchedulerSide:
         self._salts: dict[str, str | None] = {}
         self._prompts: dict[str, list[int]] = {}
         self._trackers: dict[str, _Tracker] = {}
+        self._counted: set[str] = set()  # requests whose prompt is in `metrics`
+        #: `vllm.prompt_tokens`, `vllm.device_cached_tokens`, `vllm.promised_tokens`: per
+        #: request, once, when vLLM first allocates for it (vllm_core.stats)
+        self.metrics = Metrics()
         self._log = RateLimitedLogger(logger)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
@@ -105,12 +109,19 @@ class SchedulerSide:
         return limit is not None and num_tokens >= limit
 
     def after_alloc(self, req_id: str, num_external: int, cache_salt: str | None = None,
-                    block_ids: Sequence[int] | None = None) -> None:
+                    block_ids: Sequence[int] | None = None, prompt_tokens: int = 0) -> None:
         """vLLM allocated blocks (`block_ids`: all of the request's) for `num_external` hit
         tokens. A load that vLLM runs asynchronously is planned from these blocks in the next
-        `build` (the request is not scheduled until it has arrived)."""
+        `build` (the request is not scheduled until it has arrived). The first time for a
+        request, its prompt is counted: its length, what vLLM's own prefix cache held, what
+        this cache promised."""
         self._salts[req_id] = cache_salt
         known = self._hits.get(req_id)
+        if req_id not in self._counted:
+            self._counted.add(req_id)
+            self.metrics.inc("vllm.prompt_tokens", prompt_tokens)
+            self.metrics.inc("vllm.device_cached_tokens", known[0] if known else 0)
+            self.metrics.inc("vllm.promised_tokens", max(0, num_external))
         if num_external <= 0 or known is None:
             return
         num_computed = known[0]
@@ -191,6 +202,7 @@ class SchedulerSide:
         rule to the same plans, so each reports it)."""
         delay = req_id in self._saved
         self._saved.discard(req_id)
+        self._counted.discard(req_id)
         if self._background is not None:
             self._background.forget(req_id)
         self._hits.pop(req_id, None)

@@ -1,0 +1,143 @@
+"""The connector's figures in vLLM's own metrics (no vLLM import here; `vllm.py` wires it).
+
+vLLM collects connector figures through its connector stats interface: each worker's and the
+scheduler's `get_kv_connector_stats()` every step, summed (`aggregate`) and sent to the API
+server, which logs them (`reduce`) and records them on its `/metrics` through the connector's
+`build_prom_metrics`. So a vLLM engine's lookups (scheduler process), loads and stores (every
+worker) appear on the one endpoint operators already scrape, with vLLM's labels (`model_name`,
+`engine`), however many ranks there are.
+
+The payload (`take()`, a plain dict, safe for vLLM's serialisation) holds what changed since the
+last step: `{"counters": {name: delta}, "latency": {name: [bucket count deltas]}}`, names in
+`COUNTERS` / `LATENCIES` (docs/metrics.md, "In vLLM's /metrics"). `prometheus_names()` gives the
+names they appear under.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics
+
+__all__ = ["COUNTERS", "LATENCIES", "PREFIX", "StatsDelta", "aggregate", "is_empty",
+           "prometheus_names", "reduce"]
+
+#: Prometheus name prefix (vLLM's connectors name theirs `vllm:<connector>_...`).
+PREFIX = "vllm:lmcache_remote_"
+
+#: Payload counter -> (the `Metrics` counter it copies, help text). The scheduler's figures
+#: come from its lookup and its plans, the others from each worker's engine.
+COUNTERS: dict[str, tuple[str, str]] = {
+    "prompt_tokens": ("vllm.prompt_tokens", "Prompt tokens of the requests vLLM scheduled"),
+    "device_cached_tokens": ("vllm.device_cached_tokens",
+                             "Prompt tokens vLLM's own prefix cache held when they were "
+                             "scheduled"),
+    "promised_tokens": ("vllm.promised_tokens",
+                        "Prompt tokens the connector claimed as hits and vLLM allocated"),
+    "lookup_requests": ("lookup.requests", "Prefix lookups (scheduler)"),
+    "lookup_errors": ("lookup.remote_errors", "Prefix lookups that failed on Redis (misses)"),
+    "retrieved_tokens": ("engine.retrieved_tokens", "Tokens of KV loaded into vLLM's cache"),
+    "local_hit_tokens": ("local.hit_tokens", "Tokens loaded from the local CPU tier"),
+    "remote_hit_tokens": ("remote.hit_tokens", "Tokens loaded from Redis"),
+    "local_hit_bytes": ("local.hit_bytes", "Bytes loaded from the local CPU tier"),
+    "remote_read_bytes": ("remote.read_bytes", "Bytes read from Redis"),
+    "remote_written_bytes": ("remote.written_bytes", "Bytes written to Redis"),
+    "stored_tokens": ("engine.stored_tokens", "Tokens of KV stored (or queued) by the cache"),
+    "promise_broken_tokens": ("engine.promise_broken_tokens",
+                              "Promised tokens a load could not deliver (recomputed)"),
+    "remote_errors": ("remote.errors", "Redis calls that failed"),
+    "remote_corrupt_chunks": ("remote.corrupt_chunks", "Damaged values found (deleted)"),
+}
+#: Payload latency -> (the `Metrics` histogram, help text).
+LATENCIES: dict[str, tuple[str, str]] = {
+    "lookup_seconds": ("lookup.seconds", "Prefix lookup latency (scheduler)"),
+    "retrieve_seconds": ("engine.retrieve_seconds", "Load latency (worker, per request)"),
+    "store_seconds": ("engine.store_seconds", "Store latency (worker, per request)"),
+}
+
+
+class StatsDelta:
+    """What changed in some `Metrics` since the last `take()`."""
+
+    def __init__(self, sources: Sequence[Metrics]) -> None:
+        self._sources = list(sources)
+        self._lock = threading.Lock()
+        self._counters: dict[str, float] = {}
+        self._buckets: dict[str, list[int]] = {}
+
+    def take(self) -> dict[str, Any]:
+        counters: dict[str, float] = {}
+        hists: dict[str, list[int]] = {}
+        for metrics in self._sources:
+            for name, value in metrics.counters().items():
+                counters[name] = counters.get(name, 0) + value
+            for name, hist in metrics.histograms().items():
+                have = hists.setdefault(name, [0] * len(hist.counts))
+                hists[name] = [a + b for a, b in zip(have, hist.counts, strict=True)]
+        out_counters: dict[str, float] = {}
+        out_latency: dict[str, list[int]] = {}
+        with self._lock:
+            for field, (name, _) in COUNTERS.items():
+                now = counters.get(name, 0)
+                delta = now - self._counters.get(name, 0)
+                self._counters[name] = now
+                if delta:
+                    out_counters[field] = int(delta) if float(delta).is_integer() else delta
+            for field, (name, _) in LATENCIES.items():
+                counts = hists.get(name)
+                if counts is None:
+                    continue
+                before = self._buckets.get(name, [0] * len(counts))
+                self._buckets[name] = counts
+                delta_counts = [a - b for a, b in zip(counts, before, strict=True)]
+                if any(delta_counts):
+                    out_latency[field] = delta_counts
+        return {"counters": out_counters, "latency": out_latency}
+
+
+def aggregate(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Two payloads summed (ranks, the scheduler, successive steps)."""
+    counters = dict(a.get("counters", {}))
+    for name, value in b.get("counters", {}).items():
+        counters[name] = counters.get(name, 0) + value
+    latency = {k: list(v) for k, v in a.get("latency", {}).items()}
+    for name, counts in b.get("latency", {}).items():
+        have = latency.get(name)
+        latency[name] = list(counts) if have is None else [
+            x + y for x, y in zip(have, counts, strict=True)]
+    return {"counters": counters, "latency": latency}
+
+
+def is_empty(data: Mapping[str, Any]) -> bool:
+    return not data.get("counters") and not data.get("latency")
+
+
+def reduce(data: Mapping[str, Any]) -> dict[str, int | float]:
+    """vLLM's periodic log line: the interval's counters, and the share of the scheduled
+    prompt tokens that came from this cache (`cache_hit_rate`)."""
+    counters = dict(data.get("counters", {}))
+    out: dict[str, int | float] = {k: counters[k] for k in COUNTERS if k in counters}
+    prompt = counters.get("prompt_tokens", 0)
+    if prompt:
+        out["cache_hit_rate"] = round(counters.get("promised_tokens", 0) / prompt, 4)
+    for name, counts in data.get("latency", {}).items():
+        out[name.replace("_seconds", "_count")] = sum(counts)
+    return out
+
+
+def prometheus_names() -> dict[str, str]:
+    """Payload name -> the metric name on vLLM's `/metrics` (counters end in `_total` there,
+    histograms give `_bucket`, `_sum`, `_count`)."""
+    names = {field: f"{PREFIX}{field}" for field in COUNTERS}
+    names.update({field: f"{PREFIX}{field}" for field in LATENCIES})
+    return names
+
+
+def bucket_values(counts: Sequence[int]) -> list[tuple[float, int]]:
+    """(a value inside each bucket, how many) to replay bucket counts into a Prometheus
+    histogram with the same bounds: the upper bound (inclusive), twice the last one for
+    +Inf. The histogram's buckets and counts are exact; its `_sum` is an upper bound."""
+    bounds = [*LATENCY_BUCKETS, LATENCY_BUCKETS[-1] * 2]
+    return [(bounds[i], n) for i, n in enumerate(counts) if n]
