@@ -83,7 +83,16 @@ class CacheConfig:
     most this, sized to fill Redis's allocation size classes (`lmcache_remote.sizing`; the
     part plan in docs/value-format.md)."""
     serde_threads: int = 0
-    """Threads for compression; 0 = one per CPU core."""
+    """Threads for compression; 0 = one per CPU this process may use (its affinity mask,
+    capped by its cgroup's CPU quota: `lmcache_remote.cpus`), not one per core of the host."""
+    remote_write_lanes: int = 8
+    """Connections one store writes over at once on a single server (1-64). Eight, not four:
+    with more connections sending at once redis-server spent 5-11% less CPU per byte written
+    (docs/benchmarks.md). Each is a connection the process may hold: docs/deploy.md's
+    connection count."""
+    remote_read_lanes: int = 4
+    """Connections one retrieve reads over at once on a single server (1-64); see
+    `remote_write_lanes`."""
     ssl_ca_certs: str | None = None
     """CA bundle for `rediss://` (also accepted as a URL query parameter)."""
     ssl_certfile: str | None = None
@@ -154,6 +163,9 @@ def _validate(cfg: CacheConfig) -> None:
                           f"{cfg.metrics_host!r}")
     if cfg.serde_threads < 0:
         raise ConfigError("serde_threads", f"must be >= 0, got {cfg.serde_threads}")
+    for name in ("remote_write_lanes", "remote_read_lanes"):
+        if not 1 <= getattr(cfg, name) <= 64:
+            raise ConfigError(name, f"must be between 1 and 64, got {getattr(cfg, name)}")
     if not 4096 <= cfg.remote_part_size <= 512 * 1024 * 1024:
         raise ConfigError("remote_part_size", "must be between 4096 and 512 MiB (Redis's limit)")
     if not _PREFIX_RE.match(cfg.key_prefix):

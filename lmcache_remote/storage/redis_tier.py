@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -53,6 +52,7 @@ from typing import Any
 import redis
 
 from lmcache_remote.config import CacheConfig
+from lmcache_remote.cpus import available_cpus
 from lmcache_remote.errors import (
     BackendError,
     BackendPermissionError,
@@ -118,12 +118,12 @@ _FOREIGN_KEPT = 4096
 _FOREIGN_SECONDS = 300.0
 #: Gives a read its chunk buffer of so many tokens, or None when there is no room.
 Allocator = Callable[[int], MemoryObj | None]
-#: Connections one `put` writes over at once on a single server (see `RedisTier.put`). Eight,
-#: not four: with more connections sending at once redis-server reads more per wake-up and
-#: spent 5-11% less CPU per byte written in side runs (docs/benchmarks.md's reading).
-WRITE_LANES = 8
-#: Connections one `get` reads over at once on a single server (see `RedisTier._get_wire`).
-READ_LANES = 4
+#: The default number of connections one `put` writes over at once on a single server (see
+#: `RedisTier.put`; `CacheConfig.remote_write_lanes` sets it).
+WRITE_LANES: int = CacheConfig.remote_write_lanes
+#: The default number of connections one `get` reads over at once on a single server (see
+#: `RedisTier._get_wire`; `CacheConfig.remote_read_lanes` sets it).
+READ_LANES: int = CacheConfig.remote_read_lanes
 
 def sockets_in_use(client: Any) -> list[socket.socket]:
     """The sockets of the connections of `client`'s pool that some thread holds now (every
@@ -172,7 +172,7 @@ class RedisTier(StorageTier):
         #: With `integrity_key`: every value written carries a MAC, and only values whose MAC
         #: verifies are served (`_authenticate`); read here, at start-up, never logged.
         self.integrity: IntegrityKey | None = load_integrity_key(config.integrity_key)
-        threads = config.serde_threads or (os.cpu_count() or 1)
+        threads = config.serde_threads or available_cpus()
         self.serde = Serde(config.serde, config.remote_part_size, threads, fit_size_classes=True)
         self.client = client if client is not None else make_client(config)
         self.wire = BulkPipeline(self.client) if supports(self.client) else None
@@ -184,8 +184,8 @@ class RedisTier(StorageTier):
         self.caller = RemoteCaller(config.remote_timeout, self.gate)
         self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
         self._log = RateLimitedLogger(logger)
-        self.write_lanes = WRITE_LANES
-        self.read_lanes = READ_LANES
+        self.write_lanes = config.remote_write_lanes
+        self.read_lanes = config.remote_read_lanes
         self._write_lock = threading.Lock()
         self._writers: ThreadPoolExecutor | None = None
         self._readers: LanePool | None = None  # the step's reads before background ones
