@@ -104,7 +104,7 @@ class CacheConfig:
     integrity_key: str | None = None
     """Where the integrity key is: `file:PATH` (a file holding it) or `env:NAME` (an
     environment variable holding it), at least 32 bytes; never the key itself (configurations
-    get logged). With it values are written with a MAC (HMAC-SHA256 over header, parts and
+    get logged). With it values are written with a MAC (keyed BLAKE3 over header, parts and
     chunk key) and only values whose MAC verifies are served; others are misses, left in
     place (`remote.unauthenticated_chunks`). None: no MAC, Redis is trusted. The key is read
     when the remote tier starts (`lmcache_remote.integrity`); docs/reliability.md's threat

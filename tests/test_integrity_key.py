@@ -10,7 +10,6 @@ format (checksums included), never through a stub.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import pickle
@@ -21,6 +20,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import blake3
 import kvutil
 import pytest
 import redis
@@ -30,7 +30,7 @@ from faultkit import check_retrieve, det_kv, sentinel_kv
 from lmcache_remote_cli.main import cli
 
 from lmcache_remote import CacheConfig, ConfigError, load_config
-from lmcache_remote.integrity import DOMAIN, IntegrityKey, load_integrity_key
+from lmcache_remote.integrity import DOMAIN, KDF_CONTEXT, IntegrityKey, load_integrity_key
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.serde import (
     AUTHENTICATED,
@@ -300,8 +300,9 @@ def test_mixed_fleet_converges_on_authenticated_values(
 
 
 def test_the_mac_is_the_documented_construction() -> None:
-    """HMAC-SHA256 under the key of DOMAIN, the key name's length and bytes, the header up to
-    the tag, the stored parts (docs/value-format.md): computed here from those words alone."""
+    """Keyed BLAKE3, under the key BLAKE3's derive_key makes of the secret with the documented
+    context, of DOMAIN, the key name's length and bytes, the header up to the tag, the stored
+    parts (docs/value-format.md): computed here from those words alone."""
     serde = Serde("raw", part_size=32)
     tensor = torch.arange(40, dtype=torch.float32).view(1, 2, 2, 1, 10)
     key = CacheEngineKey("m:x", 1, 0, "float32", "00" * 16)
@@ -315,9 +316,12 @@ def test_the_mac_is_the_documented_construction() -> None:
     header_len = signed + TAG_NBYTES + 4
     parts = [value0[header_len:], *map(bytes, values[1:])]
     encoded = name.encode()
-    want = hmac.new(KEY, b"LMCR-MAC-1\x00" + struct.pack("<I", len(encoded)) + encoded
-                    + value0[:signed] + b"".join(parts), "sha256").digest()
-    assert DOMAIN == b"LMCR-MAC-1\x00"
+    context = "lmcache-remote 2026-12-02 integrity key v1: the MAC key of cached KV values"
+    assert context == KDF_CONTEXT and f'context = "{context}"' in DOC.read_text()
+    derived = blake3.blake3(KEY, derive_key_context=context).digest()
+    want = blake3.blake3(b"LMCR-MAC-1\x00" + struct.pack("<I", len(encoded)) + encoded
+                         + value0[:signed] + b"".join(parts), key=derived).digest()
+    assert DOMAIN == b"LMCR-MAC-1\x00" and len(want) == TAG_NBYTES
     assert value0[signed:signed + TAG_NBYTES] == want
     assert struct.unpack_from("<I", value0, signed + TAG_NBYTES)[0] == (
         checksum(value0[:signed + TAG_NBYTES]) & 0xFFFFFFFF)
@@ -342,7 +346,21 @@ def test_the_documented_example_is_what_the_code_writes() -> None:
     dump = dump.split("```hexdump", 1)[1].split("```", 1)[0]
     documented = bytes.fromhex("".join(line[10:58] for line in dump.strip().splitlines()))
     assert value == documented and len(value) == 164
+    derived = blake3.blake3(b"0123456789abcdef0123456789abcdef",
+                            derive_key_context=KDF_CONTEXT).hexdigest()
+    assert f"`K` =\n`{derived}`" in DOC.read_text()
     assert value[:4] + value[5:0x60] == golden[:4] + golden[5:0x60]
+
+
+def test_without_blake3_a_key_is_refused_and_no_key_still_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`blake3` is imported only when a key is loaded: an environment without it refuses the
+    key with a clear error (naming the package, never the key) and runs without one."""
+    monkeypatch.setitem(sys.modules, "blake3", None)  # import blake3 -> ImportError
+    with pytest.raises(ConfigError, match="integrity_key.*blake3") as info:
+        IntegrityKey(KEY)
+    assert KEY.decode() not in str(info.value)
+    assert load_integrity_key(None) is None
 
 
 def test_integrity_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
