@@ -14,8 +14,11 @@ be. Mode `faults` injects SIGSTOP, kill -9 and restart, CLIENT KILL, DEBUG SLEEP
 values, deleted part keys and a maxmemory squeeze on a schedule.
 
 Per window it prints, per engine: retrieved/lookup, hit tokens per tier, wrong KV tokens,
-exceptions, the slowest call and RSS; at the end the criteria (`soak.report`) and the exit
-code: 0 passed, 1 failed, 130 interrupted. docs/reliability.md has the figures of long runs,
+exceptions, the slowest call and RSS; at the end the hit rate by the popularity of the first
+document (reported, not judged), the criteria (`soak.report`) and the exit code: 0 passed,
+1 failed, 130 interrupted. `--no-lru-touch` runs the engines without the LRU refresh
+(`remote_lru_touch: false`), `--restart-every S` restarts them with empty local tiers.
+docs/reliability.md has the figures of long runs (and of the refresh on and off),
 docs/testing.md how the short run is part of the test command.
 
 Modules: `settings` (the knobs), `workload` (prompts, expected KV, the paged cache),

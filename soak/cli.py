@@ -32,6 +32,14 @@ def parse(argv: list[str]) -> tuple[SoakSettings, str | None]:
     p.add_argument("--fault-interval", type=float, default=d.fault_interval)
     p.add_argument("--rss-slack-mib", type=float, default=d.rss_slack_mib)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-lru-touch", action="store_true",
+                   help="engines with remote_lru_touch off: no TOUCH refreshes Redis's LRU "
+                        "for chunks a lookup promised or a local tier served")
+    p.add_argument("--restart-every", type=float, default=d.restart_every, metavar="SECONDS",
+                   help="each engine with a local tier restarts (a fresh CacheEngine, an empty "
+                        "local tier) every SECONDS, staggered; default never")
+    p.add_argument("--top-docs", type=int, default=d.top_docs,
+                   help="the popularity report's top group: documents of Zipf rank 1..N")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     a = p.parse_args(argv)
     try:
@@ -39,7 +47,8 @@ def parse(argv: list[str]) -> tuple[SoakSettings, str | None]:
             minutes=a.minutes, mode=a.mode, engines=tuple(a.engines.split(",")), window=a.window,
             local_mib=a.local_mib, redis_maxmemory_mib=a.redis_maxmemory_mib,
             remote_timeout=a.remote_timeout, rate=a.rate, fault_interval=a.fault_interval,
-            rss_slack_mib=a.rss_slack_mib, seed=a.seed)
+            rss_slack_mib=a.rss_slack_mib, seed=a.seed, lru_touch=not a.no_lru_touch,
+            restart_every=a.restart_every, top_docs=a.top_docs)
     except ValueError as exc:
         p.error(str(exc))
     return settings, a.json

@@ -69,10 +69,27 @@ def _engine_spec(settings: SoakSettings, name: str, role: str, index: int, url: 
     return {
         "name": name, "role": role, "seed": settings.seed * 1000 + index,
         "corpus_seed": settings.seed, "window": settings.window, "rate": settings.rate,
+        "top_docs": settings.top_docs, "restart_every": _restart_every(settings, role),
+        "restart_phase": _restart_phase(settings, index),
         "geometry": {"num_layers": 2, "num_kv_heads": 2, "head_size": 64, "chunk_size": 64,
                      "block_size": 16, "dtype": "bfloat16"},
         "config": settings.engine_config(role, url, prefix),
     }
+
+
+def _restart_every(settings: SoakSettings, role: str) -> float | None:
+    """An engine without a local tier has nothing that a restart would empty."""
+    return settings.restart_every if role != "nolocal" else None
+
+
+def _restart_phase(settings: SoakSettings, index: int) -> float:
+    """Seconds after T0 of the engine's first restart: the engines with a local tier take
+    turns, evenly spread over `restart_every`."""
+    if settings.restart_every is None:
+        return 0.0
+    local = [i for i, r in enumerate(settings.engines) if r != "nolocal"]
+    turn = local.index(index) if index in local else 0
+    return settings.restart_every * (turn + 1) / len(local)
 
 
 def _reader(run: EngineRun, out: queue.Queue[tuple[EngineRun, dict[str, Any] | None]]) -> None:
@@ -94,6 +111,8 @@ def _redis_info(server: RedisServer, t0: float, index: int) -> dict[str, Any]:
     try:
         info = client.info()
         row.update(used_memory=info.get("used_memory"), evicted_keys=info.get("evicted_keys"),
+                   keyspace_hits=info.get("keyspace_hits"),
+                   keyspace_misses=info.get("keyspace_misses"),
                    keys=client.dbsize(), clients=info.get("connected_clients"),
                    maxmemory=info.get("maxmemory"))
     except (redis.RedisError, OSError) as exc:

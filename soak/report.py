@@ -17,6 +17,14 @@ A run passes only when every criterion holds (issue 11, point 5):
   the engine's own `engine.promise_broken_tokens` (what breaks the promise is counted);
 - `engines`: every engine reported each window, finished its flush and exited 0, and every
   fault was applied as scheduled.
+
+Reported, not judged: `popularity` (issue 25), the hit rate by the Zipf rank of a request's
+first document, in chunks: of the first document's whole chunks, how many retrieve delivered,
+for the `top_docs` most popular documents and for the rest, over every request and over the
+requests whose first document the engine saw for the first time since it (re)started (only
+Redis can serve those); with the engines' TOUCHes sent (`remote.touched_keys`), their
+restarts, and Redis's own view over the run: `evicted_keys`, `keyspace_hits` and
+`keyspace_misses` (every read command's lookups: EXISTS, GET and TOUCH alike).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any
 
 from soak.controller import EngineRun, SoakResult
 from soak.settings import MIB
+from soak.worker import GROUPS, POPULARITY_FIELDS
 
 FILL_SIGNS = ("local.evicted_chunks", "pool.failed_allocations", "remote.pool_full")
 
@@ -73,6 +82,36 @@ def _counter(run: EngineRun, name: str) -> int:
     return sum(int(d["counters"].get(name, 0)) for d in run.windows)
 
 
+def popularity_counts(windows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per group (`top`, `rest`) the summed popularity fields of `windows`, with `hit_rate`
+    (hit_chunks / chunks) and `first_hit_rate` (the same over first sights); None where no
+    chunk was asked for."""
+    out: dict[str, dict[str, Any]] = {}
+    for group in GROUPS:
+        row: dict[str, Any] = {f: sum(int(d.get("popularity", {}).get(group, {}).get(f, 0))
+                                      for d in windows) for f in POPULARITY_FIELDS}
+        row["hit_rate"] = row["hit_chunks"] / row["chunks"] if row["chunks"] else None
+        row["first_hit_rate"] = (row["first_hit_chunks"] / row["first_chunks"]
+                                 if row["first_chunks"] else None)
+        out[group] = row
+    return out
+
+
+def popularity_report(result: SoakResult) -> dict[str, Any]:
+    """The whole run's popularity report: every engine's windows together, Redis's view."""
+    windows = [d for r in result.engines for d in r.windows]
+    rows = result.redis_windows
+    return {
+        "unit": "chunks of the first document retrieved / its whole chunks",
+        "top_docs": result.settings.top_docs, "lru_touch": result.settings.lru_touch,
+        **popularity_counts(windows),
+        "touched_keys": sum(int(d["counters"].get("remote.touched_keys", 0)) for d in windows),
+        "restarts": sum(int(d.get("restarts", 0)) for d in windows),
+        "redis": {field: sum(per_window(rows, field).values())
+                  for field in ("evicted_keys", "keyspace_hits", "keyspace_misses")},
+    }
+
+
 def engine_summary(result: SoakResult, run: EngineRun) -> dict[str, Any]:
     s = result.settings
     lookup, retrieved, judged = ratio_after_fill(result, run, faults=s.mode == "faults")
@@ -114,6 +153,9 @@ def engine_summary(result: SoakResult, run: EngineRun) -> dict[str, Any]:
         "baseline_rss": base, "peak_rss": peak,
         "rss_limit": base + int(s.local_mib * MIB) + int(s.rss_slack_mib * MIB),
         "finished": run.done is not None, "returncode": run.returncode,
+        "popularity": popularity_counts(run.windows),
+        "touched_keys": _counter(run, "remote.touched_keys"),
+        "restarts": sum(int(d.get("restarts", 0)) for d in run.windows),
     }
 
 
@@ -211,9 +253,14 @@ def window_table(result: SoakResult) -> list[str]:
 
 def evicted_per_window(rows: list[dict[str, Any]]) -> dict[int, int]:
     """Keys Redis evicted in each window (INFO's counter restarts with the server)."""
+    return per_window(rows, "evicted_keys")
+
+
+def per_window(rows: list[dict[str, Any]], field: str) -> dict[int, int]:
+    """The growth of INFO's counter `field` in each window (it restarts with the server)."""
     out, last = {}, 0
     for row in rows:
-        now = row.get("evicted_keys")
+        now = row.get(field)
         if now is None:
             continue
         out[row["index"]] = now - last if now >= last else now
@@ -238,12 +285,30 @@ def summary_lines(result: SoakResult, criteria: list[Criterion],
             f"corrupt {e['remote_corrupt_chunks']}; warnings logged "
             f"{e['warnings']}; slowest {slow}; "
             f"RSS peak {e['peak_rss'] / MIB:.0f} MiB (baseline {e['baseline_rss'] / MIB:.0f})")
+    lines += popularity_lines(popularity_report(result))
     lines.append("")
     for c in criteria:
         lines.append(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:<17} {c.detail}")
     passed = all(c.ok for c in criteria)
     lines.append("")
     lines.append(f"soak {result.settings.mode}: {'PASSED' if passed else 'FAILED'}")
+    return lines
+
+
+def popularity_lines(pop: dict[str, Any]) -> list[str]:
+    redis_view = pop["redis"]
+    lines = ["", f"popularity (all engines; {pop['unit']}; LRU refresh "
+             f"{'on' if pop['lru_touch'] else 'off'}, {pop['touched_keys']} keys touched, "
+             f"{pop['restarts']} engine restarts):"]
+    for group, label in (("top", f"top {pop['top_docs']} documents"), ("rest", "the rest")):
+        g = pop[group]
+        lines.append(
+            f"  {label:<15} {g['hit_chunks']}/{g['chunks']} chunks hit ({_fmt(g['hit_rate'])}) "
+            f"over {g['requests']} requests; first sight since the engine started "
+            f"{g['first_hit_chunks']}/{g['first_chunks']} ({_fmt(g['first_hit_rate'])}) over "
+            f"{g['first_requests']} requests")
+    lines.append(f"  Redis: {redis_view['evicted_keys']} keys evicted, keyspace hits "
+                 f"{redis_view['keyspace_hits']}, misses {redis_view['keyspace_misses']}")
     return lines
 
 
@@ -259,5 +324,6 @@ def json_report(result: SoakResult, criteria: list[Criterion],
                     for n, e in per.items()},
         "redis": {"pid": result.redis_pid, "windows": result.redis_windows},
         "faults": result.faults,
+        "popularity": popularity_report(result),
         "pids": [result.redis_pid] + [e["pid"] for e in per.values()],
     }

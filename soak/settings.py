@@ -37,6 +37,14 @@ class SoakSettings:
     """The documented constant: RSS may exceed the warm-up baseline by the budget plus this."""
     min_ratio: float = 0.99
     seed: int = 1
+    lru_touch: bool = True
+    """The engines' `remote_lru_touch`: False measures Redis's LRU without the refresh."""
+    restart_every: float | None = None
+    """Each engine with a local tier closes its `CacheEngine` and opens a fresh one (an empty
+    local tier: an engine restarting, or a new one joining) every this many seconds, the
+    engines staggered over the period; None = never."""
+    top_docs: int = 5
+    """The popularity report's "top" group: the documents of Zipf ranks 1..top_docs."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -46,6 +54,10 @@ class SoakSettings:
             raise ValueError(f"engine roles must be among {', '.join(ROLES)}, got {bad}")
         if self.minutes <= 0 or self.window <= 0 or self.rate <= 0:
             raise ValueError("minutes, window and rate must be > 0")
+        if self.restart_every is not None and self.restart_every <= 0:
+            raise ValueError("restart_every must be > 0")
+        if self.top_docs < 1:
+            raise ValueError("top_docs must be >= 1")
 
     @property
     def seconds(self) -> float:
@@ -75,6 +87,7 @@ class SoakSettings:
             "remote_timeout": self.remote_timeout,
             "remote_part_size": self.remote_part_size,
             "stats_publish_interval": None,
+            "remote_lru_touch": self.lru_touch,
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -16,6 +16,11 @@ Each request follows vLLM's flow: `lookup(tokens)`; `retrieve(tokens[:hit])` int
 cache whose slots hold a sentinel; every retrieved token is compared bit for bit with
 `expected_kv`, every other slot must still hold the sentinel; then "prefill" writes the rest
 and (read-write roles) `store(tokens, kv, mask)` with the retrieved prefix masked off.
+
+Each window also counts, by the Zipf rank of the request's first document (`GROUPS`), that
+document's whole chunks and how many of them retrieve delivered (`POPULARITY_FIELDS`). With
+`restart_every` the engine closes its `CacheEngine` and opens a fresh one (an empty local
+tier) every so many seconds from T0 + `restart_phase`, between two requests.
 """
 
 from __future__ import annotations
@@ -43,8 +48,16 @@ COUNTERS = (
     "remote.dropped_chunks", "remote.written_chunks", "remote.corrupt_chunks",
     "remote.incomplete_chunks", "remote.miss_chunks", "engine.store_out_of_memory_chunks",
     "engine.promise_broken_tokens", "engine.lookup_capped_tokens", "memory.no_room_chunks",
-    "remote.duplicate_writes_skipped",
+    "remote.duplicate_writes_skipped", "remote.touched_keys",
 )
+#: The popularity report (per window, per group of the first document's Zipf rank): requests,
+#: the whole chunks of the first document (`chunks`) and how many of them retrieve delivered
+#: (`hit_chunks`); `first_*` the same for requests whose first document this engine sees for
+#: the first time since it (re)started, whose chunks its local tier cannot hold: only Redis
+#: can serve them.
+GROUPS = ("top", "rest")
+POPULARITY_FIELDS = ("requests", "chunks", "hit_chunks", "first_requests", "first_chunks",
+                     "first_hit_chunks")
 GAUGES = ("local.entries", "local.bytes", "pool.used_bytes", "pool.held_bytes",
           "remote.queued_bytes", "remote.healthy")
 
@@ -105,7 +118,9 @@ class Window:
         self.exceptions = 0
         self.stored_tokens = 0
         self.warnings = 0
+        self.restarts = 0
         self.slowest: dict[str, float] = {"lookup": 0.0, "retrieve": 0.0, "store": 0.0}
+        self.popularity = {group: dict.fromkeys(POPULARITY_FIELDS, 0) for group in GROUPS}
 
     def doc(self, counters: dict[str, float], gauges: dict[str, float]) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items()}
@@ -136,10 +151,17 @@ class Worker:
         g = self.geometry
         meta = EngineMetadata("soak/tiny", 1, 0, g.dtype, g.num_layers, g.num_kv_heads,
                               g.head_size)
-        self.engine = CacheEngine(CacheConfig(**spec["config"]), meta)
+        self._open: Callable[[], CacheEngine] = lambda: CacheEngine(
+            CacheConfig(**spec["config"]), meta)
+        self.engine = self._open()
+        self.top_docs = int(spec.get("top_docs", 5))
+        self.seen: set[int] = set()  # first documents seen since the engine (re)started
+        self.restart_every: float | None = spec.get("restart_every")
+        self.restart_phase = float(spec.get("restart_phase", 0.0))
         self.stop = threading.Event()
         self.window = Window(0)
         self._last = _flatten(self.engine.metrics.snapshot())
+        self._carry: dict[str, float] = {}  # counter deltas of engines closed in this window
         self.exception_log: list[str] = []
         self.warnings = _CountingHandler()
         logging.basicConfig(level=logging.WARNING,
@@ -168,7 +190,7 @@ class Worker:
 
         from soak.workload import count_wrong, expected_kv
 
-        tokens = self.prompts.next()
+        tokens, docs = self.prompts.draw()
         n = len(tokens)
         want = expected_kv(tokens, self.geometry)
         kv = self.cache.begin(n)
@@ -191,6 +213,8 @@ class Worker:
         wrong, stray = count_wrong(self.cache.read(), want, got)
         w.wrong_tokens += wrong
         w.stray_tokens += stray
+        if salt is None:
+            self._count_popularity(docs[0], min(got, hit))
         self.cache.write(got, want[:, :, got:])  # prefill of the tokens not loaded
         if self.role == "ro":
             return
@@ -202,6 +226,40 @@ class Worker:
             "store", lambda: self.engine.store(tokens, kv, mask_t, cache_salt=salt))
         w.stored_tokens += int(stored or 0)
 
+    def _count_popularity(self, doc: int, got: int) -> None:
+        """The first document's whole chunks and how many of them were retrieved (it starts
+        right after the system prompt, on a chunk boundary)."""
+        c = self.geometry.chunk_size
+        start = len(self.corpus.system) // c
+        chunks = len(self.corpus.docs[doc]) // c
+        hit = min(max(got // c - start, 0), chunks)
+        row = self.window.popularity["top" if doc < self.top_docs else "rest"]
+        row["requests"] += 1
+        row["chunks"] += chunks
+        row["hit_chunks"] += hit
+        if doc not in self.seen:
+            self.seen.add(doc)
+            row["first_requests"] += 1
+            row["first_chunks"] += chunks
+            row["first_hit_chunks"] += hit
+
+    def restart(self) -> None:
+        """Close the engine and open a fresh one (an empty local tier), as an engine restarting
+        or a new one joining; its counters carry on into the window's deltas."""
+        now = self._counters()
+        for k, v in now.items():
+            self._carry[k] = self._carry.get(k, 0.0) + v - self._last.get(k, 0.0)
+        self.engine.close()
+        self.engine = self._open()
+        self._last = self._counters()
+        self.seen.clear()
+        self.window.restarts += 1
+
+    def _counters(self) -> dict[str, float]:
+        now = _flatten(self.engine.metrics.snapshot())
+        now["pool.failed_allocations"] = float(self.engine.storage.pool.failed_allocations)
+        return now
+
     def warm_up(self) -> dict[str, Any]:
         """Two requests under a salt of their own (imports, threads, connections, the first
         buffers), then every counter starts afresh; returns the `ready` document."""
@@ -210,9 +268,9 @@ class Worker:
         self.engine.flush()
         self.window = Window(0)
         self.warnings.count = 0
+        self.seen.clear()
         pool = self.engine.storage.pool
-        self._last = _flatten(self.engine.metrics.snapshot())
-        self._last["pool.failed_allocations"] = float(pool.failed_allocations)
+        self._last = self._counters()
         with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS now: the peak is measured from here on
         return {"type": "ready", "pid": os.getpid(), "baseline_rss": rss_bytes() - pool.held_bytes,
@@ -221,15 +279,12 @@ class Worker:
     # -- windows -------------------------------------------------------------------------
 
     def close_window(self) -> None:
-        stats = self.engine.stats()
-        now = _flatten(self.engine.metrics.snapshot())
-        deltas = {k: now.get(k, 0.0) - self._last.get(k, 0.0) for k in COUNTERS}
-        flat = _flatten(stats)
+        flat = _flatten(self.engine.stats())
         gauges = {k: flat.get(k, 0.0) for k in GAUGES}
-        deltas["pool.failed_allocations"] = flat.get("pool.failed_allocations", 0.0) - \
-            self._last.get("pool.failed_allocations", 0.0)
-        self._last = dict(now, **{"pool.failed_allocations": flat.get(
-            "pool.failed_allocations", 0.0)})
+        now = self._counters()
+        deltas = {k: self._carry.get(k, 0.0) + now.get(k, 0.0) - self._last.get(k, 0.0)
+                  for k in (*COUNTERS, "pool.failed_allocations")}
+        self._last, self._carry = now, {}
         self.window.warnings, self.warnings.count = self.warnings.count, 0
         emit(self.window.doc(deltas, gauges))
         self.window = Window(self.window.index + 1)
@@ -237,7 +292,12 @@ class Worker:
     def run(self, t0: float, end: float, window: float, rate: float) -> None:
         gap = 1.0 / rate
         next_start = time.time()
+        every = self.restart_every
+        next_restart = t0 + self.restart_phase if every else float("inf")
         while not self.stop.is_set() and time.time() < end:
+            if every and time.time() >= next_restart:
+                self.restart()
+                next_restart += every
             self.request()
             while time.time() >= t0 + (self.window.index + 1) * window:
                 self.close_window()

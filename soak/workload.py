@@ -3,8 +3,8 @@
 - `Corpus`: one shared system prompt and `num_docs` documents of token ids, the same in every
   engine process (a fixed seed). `PromptStream` draws a prompt per request, as a chat service
   sees them: the system prompt, then 1-6 distinct documents drawn Zipf-like (document k with
-  weight 1 / (k + 1) ** zipf_s, fewer documents more often), then a question that no other
-  request shares.
+  weight 1 / (k + 1) ** zipf_s, so document k has popularity rank k + 1; fewer documents more
+  often), then a question that no other request shares. `draw` also names the documents.
 - `expected_kv(tokens)`: the KV that "prefill" computes for `tokens`, a function of the token
   prefix alone: chunk c's values are drawn from a generator seeded with a SHA-256 chain over
   the tokens of chunks 0..c (independent of the library's BLAKE2b keys, so a chunk served
@@ -73,11 +73,15 @@ class PromptStream:
         self.max_docs = max_docs
 
     def next(self) -> np.ndarray:
+        return self.draw()[0]
+
+    def draw(self) -> tuple[np.ndarray, list[int]]:
+        """(the prompt's tokens, its documents in order): document k has Zipf rank k + 1."""
         n_docs = int(self.rng.choice(self.max_docs, p=self.count_p)) + 1
         docs = self.rng.choice(len(self.corpus.docs), size=n_docs, replace=False, p=self.doc_p)
         question = self.rng.integers(0, VOCAB, int(self.rng.integers(8, 48)), dtype=np.uint32)
         parts = [self.corpus.system, *(self.corpus.docs[d] for d in docs), question]
-        return np.concatenate(parts).astype(np.uint32)
+        return np.concatenate(parts).astype(np.uint32), [int(d) for d in docs]
 
 
 def expected_kv(tokens: np.ndarray, geometry: Geometry) -> torch.Tensor:

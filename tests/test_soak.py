@@ -10,6 +10,10 @@
   and leave no process behind. Its only time bounds are the soak's own promises (the slowest
   call), nothing about this machine's speed.
 - Interrupting the soak (SIGINT, as Ctrl-C) stops every process it started and exits 130.
+- The popularity report (issue 25): summed per group of the first document's rank, with
+  Redis's counters across a server restart; a short real run with `--no-lru-touch` and
+  `--restart-every` sends no TOUCH, restarts its engines and reports every request in a group
+  (the run with the refresh on, above, touches).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import pytest
 import torch
 
 from soak.controller import EngineRun, SoakResult
-from soak.report import judge
+from soak.report import judge, popularity_report
 from soak.settings import SoakSettings
 from soak.workload import (
     SENTINEL,
@@ -134,6 +138,30 @@ def test_judge_passes_a_clean_run_and_fails_each_broken_promise() -> None:
     assert not _verdict(fat)["rss"]
 
 
+def test_popularity_report_sums_the_groups_and_redis_counters() -> None:
+    pop = {"top": {"requests": 3, "chunks": 12, "hit_chunks": 9, "first_requests": 1,
+                   "first_chunks": 4, "first_hit_chunks": 1},
+           "rest": {"requests": 7, "chunks": 20, "hit_chunks": 5, "first_requests": 6,
+                    "first_chunks": 18, "first_hit_chunks": 3}}
+    windows = [_window(i, popularity=pop, restarts=i % 2) for i in range(4)]
+    for w in windows:
+        w["counters"]["remote.touched_keys"] = 10
+    result = _result(windows)
+    # INFO's counters restart with the server after index 1: 100 + 50 + 30 + 40 evicted,
+    # 7 + 2 + 4 + 2 hits
+    result.redis_windows = [{"index": i, "evicted_keys": e, "keyspace_hits": h,
+                             "keyspace_misses": 5 * (i + 1)}
+                            for i, (e, h) in enumerate([(100, 7), (150, 9), (30, 4), (70, 6)])]
+    doc = popularity_report(result)
+    assert doc["top"]["chunks"] == 48 and doc["top"]["hit_chunks"] == 36
+    assert doc["top"]["hit_rate"] == 0.75 and doc["top"]["first_hit_rate"] == 0.25
+    assert doc["rest"]["requests"] == 28 and doc["rest"]["first_hit_rate"] == 12 / 72
+    assert (doc["touched_keys"], doc["restarts"], doc["top_docs"]) == (40, 2, 5)
+    assert doc["redis"] == {"evicted_keys": 220, "keyspace_hits": 15, "keyspace_misses": 20}
+    empty = popularity_report(_result([_window(0)]))
+    assert empty["top"]["chunks"] == 0 and empty["top"]["hit_rate"] is None
+
+
 # -- the real thing ---------------------------------------------------------------------------
 
 
@@ -170,6 +198,38 @@ def test_short_soak_passes_and_leaves_nothing_behind(tmp_path: Path) -> None:
         assert engine["wrong_tokens"] == 0 and engine["exceptions"] == 0
     roles = {e["role"] for e in doc["engines"].values()}
     assert roles == {"rw", "ro", "nolocal"}
+    assert not [pid for pid in doc["pids"] if _alive(pid)]
+    pop = doc["popularity"]
+    assert pop["lru_touch"] and pop["touched_keys"] > 0 and pop["restarts"] == 0
+    assert pop["top"]["hit_chunks"] > 0 and pop["redis"]["evicted_keys"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_soak_without_lru_touch_restarts_engines_and_reports_popularity(tmp_path: Path) -> None:
+    report = tmp_path / "soak.json"
+    proc = _soak(["--minutes", "0.5", "--window", "5", "--engines", "rw,ro,nolocal",
+                  "--no-lru-touch", "--restart-every", "10", "--json", str(report)])
+    out, _ = proc.communicate(timeout=540)
+    assert report.exists(), out
+    doc = json.loads(report.read_text())
+    assert "popularity (all engines" in out and "LRU refresh off" in out, out[-3000:]
+    pop = doc["popularity"]
+    assert not pop["lru_touch"] and pop["touched_keys"] == 0
+    engines = doc["engines"]
+    assert all(e["touched_keys"] == 0 for e in engines.values())
+    # 30 s, every 10 s, the two engines with a local tier taking turns (at 5 s and 10 s)
+    assert {n: e["restarts"] for n, e in engines.items()} == {
+        "e0-rw": 3, "e1-ro": 2, "e2-nolocal": 0}
+    for e in engines.values():
+        assert e["wrong_tokens"] == 0 and e["exceptions"] == 0
+        groups = e["popularity"]
+        assert groups["top"]["requests"] + groups["rest"]["requests"] == e["requests"]
+        for g in groups.values():
+            assert 0 <= g["hit_chunks"] <= g["chunks"]
+            assert g["first_requests"] <= g["requests"] and g["first_chunks"] <= g["chunks"]
+    assert pop["top"]["requests"] > 0 and pop["top"]["hit_chunks"] > 0
+    assert pop["top"]["requests"] == sum(e["popularity"]["top"]["requests"]
+                                         for e in engines.values())
     assert not [pid for pid in doc["pids"] if _alive(pid)]
 
 
