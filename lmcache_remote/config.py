@@ -93,6 +93,10 @@ class CacheConfig:
     remote_read_lanes: int = 4
     """Connections one retrieve reads over at once on a single server (1-64); see
     `remote_write_lanes`."""
+    require_native: bool = False
+    """Fail at start-up (`ConfigError`) when the C extension `lmcache_remote._wire` (the
+    native receive loop and row copier) is not there, instead of running the slower Python
+    path; `LMCR_REQUIRE_NATIVE=1` sets it."""
     ssl_ca_certs: str | None = None
     """CA bundle for `rediss://` (also accepted as a URL query parameter)."""
     ssl_certfile: str | None = None

@@ -41,6 +41,10 @@ rank names chunks with world size 1 and worker 0 (the key of a single-rank engin
 does not depend on the parallelism), only worker 0 stores (the others' `store` and
 `store_layer` store nothing and report 0), and every rank loads that one copy.
 
+At start-up the engine logs one INFO line (`lmcache_remote.startup`): version, namespace,
+native loop, connection count and the configuration with its secrets masked; with
+`require_native` a missing C extension is a `ConfigError`.
+
 The engine starts while Redis is down: the start-up check logs a warning, redis-py connects
 lazily, and a failed call only opens the health gate's back-off, after which the next call
 probes Redis again. Faults, what each costs and what is counted: docs/reliability.md.
@@ -59,6 +63,7 @@ from typing import Any
 
 import torch
 
+from lmcache_remote import startup
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.connectors import KVView
 from lmcache_remote.errors import (
@@ -72,6 +77,7 @@ from lmcache_remote.memory import ChunkLayout, MemoryObj
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.reporting import EngineReporter
 from lmcache_remote.serde import dtype_name
+from lmcache_remote.storage.connections import engine_connections
 from lmcache_remote.storage.manager import StorageManager, StorePlan
 
 logger = logging.getLogger(__name__)
@@ -152,6 +158,7 @@ class CacheEngine:
     """Stores and retrieves chunks of KV for one engine rank. Thread-safe."""
 
     def __init__(self, config: CacheConfig, metadata: EngineMetadata) -> None:
+        startup.check_native(config)  # before any thread starts
         self.config = config
         self.metadata = metadata
         self.layout = metadata.layout
@@ -171,6 +178,8 @@ class CacheEngine:
         self._closed = False
         self._close_lock = threading.Lock()
         self._check_remote_at_start()
+        startup.announce(config, role="engine", namespace=ns.model_name,
+                         connections=engine_connections(config))
 
     def rename_model(self, model_name: str) -> None:
         """From now on every key names `model_name` (vLLM's connector calls it when the

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import xxhash
 
+#: Why the extension could not be imported (None when it was): for the start-up line and for
+#: `require_native`'s error.
+IMPORT_ERROR: str | None = None
 try:
     from lmcache_remote import _wire as wire
-except ImportError:
+except ImportError as _exc:
     wire = None  # type: ignore[assignment]
+    IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
 
 
 def _digests_agree() -> bool:

@@ -30,12 +30,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from lmcache_remote import startup
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
 from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.cluster_tier import make_remote_tier
+from lmcache_remote.storage.connections import lookup_connections
 from lmcache_remote.storage.manager import fetchable_chunks, read_share_bytes
 from lmcache_remote.storage.redis_tier import RedisTier
 
@@ -49,6 +51,7 @@ class PrefixLookup:
                  namespaces: Sequence[KeyNamespace]) -> None:
         if not namespaces:
             raise ValueError("need at least one key namespace")
+        startup.check_native(config)
         self.metrics = Metrics()
         self.chunk_size = config.chunk_size
         self._layout = layout
@@ -62,6 +65,13 @@ class PrefixLookup:
         if self._remote is not None and self._remote.toucher is not None:
             self._remote.toucher.inline = True  # the scheduler's thread sends them: no thread
         self._log = RateLimitedLogger(logger)
+        startup.announce(config, role="vllm scheduler", namespace=namespaces[0].model_name,
+                         connections=lookup_connections(config))
+
+    @property
+    def remote(self) -> RedisTier | None:
+        """The lookup's remote tier (None without a `remote_url`)."""
+        return self._remote
 
     @property
     def namespaces(self) -> list[KeyNamespace]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lmcache_remote import startup
 from lmcache_remote.connectors import PagedKV
 from lmcache_remote.engine import CacheEngine
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span
@@ -22,6 +23,11 @@ from lmcache_remote.integrations.vllm_core.settings import (
 )
 from lmcache_remote.layout_proof import CacheWriter, LayoutUnproven
 from lmcache_remote.metrics import RateLimitedLogger
+from lmcache_remote.storage.connections import (
+    VLLM_WORKER_CALLERS,
+    ConnectionCount,
+    engine_connections,
+)
 from lmcache_remote.storage.lanes import background_reads
 
 logger = logging.getLogger(__name__)
@@ -101,6 +107,9 @@ class WorkerSide:
             logger.error("lmcache-remote connector OFF on rank %d: %s (shape %s, %s). Nothing "
                          "is stored or loaded; inference goes on without the cache.",
                          self.rank, self.disabled, tuple(self._layers[0].shape), probe.dtype)
+            startup.announce(self.settings.config, role=f"vllm worker (rank {self.rank})",
+                             namespace=self.model_name, connections=ConnectionCount(),
+                             kv_layout=f"not proven ({layout} shape): connector off")
             return
         self.disabled = None
         logger.info("rank %d: KV cache layout proven with the backend's write op: %s%s",
@@ -108,7 +117,13 @@ class WorkerSide:
                     f" (tiled blocks, read through the op's map, {layout} shape)"
                     if self._reading.tiled else "")
         meta = self.geometry.metadata(self.model_name, self.world_size, self.rank)
-        self.engine = CacheEngine(self.settings.config, meta)
+        with startup.quiet():  # this side's line says more than the engine's
+            self.engine = CacheEngine(self.settings.config, meta)
+        reading = self._reading.layout + (" (tiled blocks)" if self._reading.tiled else "")
+        startup.announce(self.settings.config, role=f"vllm worker (rank {self.rank})",
+                         namespace=self.model_name, kv_layout=f"{reading}, proven",
+                         connections=engine_connections(self.settings.config,
+                                                        VLLM_WORKER_CALLERS))
 
     def rename_model(self, model_name: str) -> None:
         """Keys name `model_name` from now on (the scheduler moved to it: `reset_cache`)."""
