@@ -1,27 +1,63 @@
-"""`lmcache-remote stats`: entries and bytes per group, Redis memory, the fleet's hit rate."""
+"""`lmcache-remote stats`: entries and bytes per group, Redis memory, the fleet's hit rate.
+
+`--watch` refreshes the same view in the terminal (rich `Live`) every `--interval` seconds
+until Ctrl-C (exit code 0): the fleet view for an operator without Grafana."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import click
 from lmcache_remote_cli.context import CliContext, common_options
 from lmcache_remote_cli.output import size, table
+from rich.console import Group, RenderableType
+from rich.live import Live
+from rich.text import Text
 
 
 @click.command()
+@click.option("--watch", is_flag=True, help="Refresh the view every --interval seconds "
+              "until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.option("--count", type=click.IntRange(min=0), default=0, hidden=True,
+              help="With --watch: stop after this many refreshes (0: never; for tests).")
 @common_options
-def stats(cx: CliContext) -> None:
+def stats(cx: CliContext, watch: bool, interval: float, count: int) -> None:
     """Entries (chunks) and bytes under the prefix, per group; Redis memory; engines."""
+    if watch:
+        if cx.json:
+            raise click.UsageError("--watch shows a live view; --json gives one document")
+        _watch(cx, interval, count)
+        return
     with cx.progress("scanning keys", unit="keys") as advance:
         result = cx.admin.stats(progress=advance)
     if cx.json:
         cx.emit(result)
         return
-    _print(cx, result)
+    cx.out.print(_render(cx, result))
 
 
-def _print(cx: CliContext, result: dict[str, Any]) -> None:
+def _watch(cx: CliContext, interval: float, count: int) -> None:
+    """Scan and redraw until Ctrl-C (or `count` refreshes); the last view stays on screen."""
+    done = 0
+    try:
+        with Live(console=cx.out, auto_refresh=False, transient=False) as live:
+            while True:
+                result = cx.admin.stats()
+                done += 1
+                header = Text(f"refresh {done} at {time.strftime('%H:%M:%S')}, every "
+                              f"{interval:g} s (Ctrl-C to stop)", style="dim")
+                live.update(Group(header, _render(cx, result)), refresh=True)
+                if count and done >= count:
+                    return
+                time.sleep(interval)
+    except KeyboardInterrupt:  # the way a watch ends
+        return
+
+
+def _render(cx: CliContext, result: dict[str, Any]) -> RenderableType:
     t = table("model", "world", "worker", "dtype", "entries", "bytes",
               title=f"prefix {result['prefix']!r} at {cx.admin.url}")
     for g in result["groups"]:
@@ -29,18 +65,19 @@ def _print(cx: CliContext, result: dict[str, Any]) -> None:
                   str(g["entries"]), size(g["bytes"]))
     t.add_section()
     t.add_row("total", "", "", "", str(result["entries"]), size(result["bytes"]))
-    cx.out.print(t)
     r = result["redis"]
     limit = size(r["maxmemory"]) if r["maxmemory"] else "no limit"
-    cx.out.print(f"redis: used {size(r['used_memory'])} of {limit}, policy "
-                 f"{r['maxmemory_policy']}, evicted keys {r['evicted_keys']}")
     e = result["engines"]
     rate = "-" if e["hit_rate"] is None else f"{100 * e['hit_rate']:.1f}%"
-    cx.out.print(f"engines: {e['count']} publishing, lookups {e['lookup_tokens']} tokens, "
-                 f"hits {e['hit_tokens']} tokens, hit rate {rate}")
-    cx.out.print(f"lookup promises broken: {e['promise_broken_tokens']} tokens (no memory "
-                 f"{e['no_room_chunks']}, incomplete {e['remote_incomplete_chunks']}, corrupt "
-                 f"{e['remote_corrupt_chunks']}, foreign {e['remote_foreign_chunks']}, "
-                 f"unauthenticated {e['remote_unauthenticated_chunks']} chunks); "
-                 "duplicate writes skipped "
-                 f"{e['duplicate_writes_skipped']}")
+    lines = [
+        f"redis: used {size(r['used_memory'])} of {limit}, policy "
+        f"{r['maxmemory_policy']}, evicted keys {r['evicted_keys']}",
+        f"engines: {e['count']} publishing, lookups {e['lookup_tokens']} tokens, "
+        f"hits {e['hit_tokens']} tokens, hit rate {rate}",
+        f"lookup promises broken: {e['promise_broken_tokens']} tokens (no memory "
+        f"{e['no_room_chunks']}, incomplete {e['remote_incomplete_chunks']}, corrupt "
+        f"{e['remote_corrupt_chunks']}, foreign {e['remote_foreign_chunks']}, "
+        f"unauthenticated {e['remote_unauthenticated_chunks']} chunks); "
+        f"duplicate writes skipped {e['duplicate_writes_skipped']}",
+    ]
+    return Group(t, *(Text(line) for line in lines))
