@@ -8,7 +8,10 @@ Names (the full list with meanings is in `docs/metrics.md`):
   are exported as histograms only;
 - a latency histogram `scope.name_seconds` becomes the histogram `lmcr_<scope>_<name>_seconds`
   (`lmcr_engine_lookup_seconds_bucket{le="0.005"}`, `_sum`, `_count`);
-- every sample carries the engine's labels `engine_id`, `model` and `worker`.
+- every sample carries the engine's labels `host`, `model` (its namespace) and `worker` (its
+  rank): stable across restarts, so a restarted engine continues its series (a counter reset,
+  which `rate()` handles) instead of starting new ones; engines of one process with the same
+  labels are summed into one sample.
 
 `collector()` is one `prometheus_client` collector for the whole process (register it in
 your own registry when the inference server already serves `/metrics`); `serve(port, addr)`
@@ -29,10 +32,10 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from lmcache_remote.metrics import LATENCY_BUCKETS, sources
+from lmcache_remote.metrics import LATENCY_BUCKETS, Histogram, sources
 
 TIER_SCOPES = ("local", "remote")
-LABELS = ("engine_id", "model", "worker")
+LABELS = ("host", "model", "worker")
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -51,9 +54,8 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Any]:
         counters: dict[str, CounterMetricFamily] = {}
         histograms: dict[str, HistogramMetricFamily] = {}
-        for src in sources():
-            labels = [src.labels.get(k, "") for k in LABELS]
-            for name, value in sorted(src.metrics.counters().items()):
+        for labels, summed, hists in _merged():
+            for name, value in sorted(summed.items()):
                 if name.endswith("_seconds"):
                     continue
                 family, extra = metric_name(name)
@@ -63,7 +65,7 @@ class EngineCollector(Collector):
                         family, f"lmcache-remote counter {name}", labels=[*LABELS, *extra]
                     )
                 fam.add_metric([*labels, *extra.values()], value)
-            for name, hist in sorted(src.metrics.histograms().items()):
+            for name, hist in sorted(hists.items()):
                 family, extra = metric_name(name)
                 fam_h = histograms.get(family)
                 if fam_h is None:
@@ -78,6 +80,23 @@ class EngineCollector(Collector):
                 fam_h.add_metric([*labels, *extra.values()], buckets, hist.total)
         yield from counters.values()
         yield from histograms.values()
+
+
+def _merged() -> list[tuple[list[str], dict[str, float], dict[str, Histogram]]]:
+    """Per label set (engines of this process with the same labels summed): the label
+    values, the counters, the histograms."""
+    groups: dict[tuple[str, ...], tuple[dict[str, float], dict[str, Histogram]]] = {}
+    for src in sources():
+        key = tuple(src.labels.get(k, "") for k in LABELS)
+        summed, hists = groups.setdefault(key, ({}, {}))
+        for name, value in src.metrics.counters().items():
+            summed[name] = summed.get(name, 0) + value
+        for name, hist in src.metrics.histograms().items():
+            have = hists.get(name)
+            hists[name] = hist if have is None else Histogram(
+                [a + b for a, b in zip(have.counts, hist.counts, strict=True)],
+                have.total + hist.total, have.count + hist.count)
+    return [(list(key), summed, hists) for key, (summed, hists) in groups.items()]
 
 
 _COLLECTOR = EngineCollector()

@@ -43,6 +43,8 @@ PUBLISHED_COUNTERS = {
     "stored_tokens": "engine.stored_tokens",
     "remote_errors": "remote.errors",
     "remote_hit_chunks": "remote.hit_chunks",
+    "local_hit_tokens": "local.hit_tokens",
+    "remote_hit_tokens": "remote.hit_tokens",
     "remote_read_bytes": "remote.read_bytes",
     "remote_written_bytes": "remote.written_bytes",
     "local_evicted_chunks": "local.evicted_chunks",
@@ -56,9 +58,15 @@ PUBLISHED_COUNTERS = {
 }
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", socket.gethostname())[:64] or "host"
+
+
 def new_engine_id() -> str:
-    host = re.sub(r"[^A-Za-z0-9_.\-]", "_", socket.gethostname())[:64] or "host"
-    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    """A new process's hash in Redis: unique (host, pid, random), so two engines never write
+    one hash; a dead engine's expires. Its Prometheus labels are the stable ones (host, model,
+    rank)."""
+    return f"{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 class EngineReporter:
@@ -72,7 +80,7 @@ class EngineReporter:
             "pid": os.getpid(), "started_at": round(time.time(), 3),
         }
         self._source = MetricsSource(
-            {"engine_id": self.engine_id, "model": model_name, "worker": str(worker_id)}, metrics
+            {"host": _host(), "model": model_name, "worker": str(worker_id)}, metrics
         )
         register_source(self._source)
         self._publisher = None

@@ -6,11 +6,12 @@ import urllib.request
 
 import redis
 import torch
-from kvutil import engine, tokens, view
+from kvutil import engine, metadata, tokens, view
 from prometheus_client import CollectorRegistry, generate_latest
 
 from lmcache_remote import prometheus
 from lmcache_remote.keys import engine_stats_key
+from lmcache_remote.reporting import _host
 from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics
 from tests.faultkit import bound, timed, wait_for
 from tests.servers import free_port, listen_addresses
@@ -73,10 +74,12 @@ def test_prometheus_collector_exports_counters_and_histograms(redis_url: str,
                                                               key_prefix: str) -> None:
     registry = CollectorRegistry()
     registry.register(prometheus.collector())
-    with engine(redis_url, key_prefix, store_async=False) as e:
+    model = f"test/{key_prefix}"  # no other engine of this process shares the labels
+    with engine(redis_url, key_prefix, metadata(model=model), store_async=False) as e:
         _workload(e)
         text = generate_latest(registry).decode()
-        labels = f'engine_id="{e.engine_id}",model="test/model",worker="0"'
+        # stable labels: the host, the namespace, the rank (no per-process id)
+        labels = f'host="{_host()}",model="{model}",worker="0"'
     assert f"lmcr_engine_lookup_tokens_total{{{labels}}} 600.0" in text
     assert f"lmcr_engine_lookup_hit_tokens_total{{{labels}}} 512.0" in text
     assert f"lmcr_engine_retrieved_tokens_total{{{labels}}} 512.0" in text
@@ -87,7 +90,25 @@ def test_prometheus_collector_exports_counters_and_histograms(redis_url: str,
     assert 'lmcr_tier_put_seconds_count{' in text and 'tier="remote"' in text
     assert "lookup_seconds_total" not in text  # latency totals are histograms only
     after = generate_latest(registry).decode()
-    assert e.engine_id not in after  # a closed engine leaves the exporter
+    assert model not in after  # a closed engine leaves the exporter
+
+
+def test_engines_of_one_process_with_the_same_labels_are_one_sample(
+        redis_url: str, key_prefix: str) -> None:
+    """A restarted engine (same host, namespace, rank) continues the series of the one it
+    replaces; two alive at once in one process are summed, never two samples of one series."""
+    registry = CollectorRegistry()
+    registry.register(prometheus.collector())
+    model = f"test/{key_prefix}"
+    labels = f'host="{_host()}",model="{model}",worker="0"'
+    with engine(redis_url, key_prefix, metadata(model=model), store_async=False) as a:
+        _workload(a)
+        with engine(redis_url, key_prefix, metadata(model=model), store_async=False) as b:
+            b.lookup(tokens(300, 5))
+            text = generate_latest(registry).decode()
+    assert text.count(f"lmcr_engine_lookup_tokens_total{{{labels}}}") == 1
+    assert f"lmcr_engine_lookup_tokens_total{{{labels}}} 900.0" in text
+    assert f"lmcr_engine_lookup_seconds_count{{{labels}}} 2.0" in text
 
 
 def test_metrics_port_serves_http(redis_url: str, key_prefix: str) -> None:
@@ -95,7 +116,7 @@ def test_metrics_port_serves_http(redis_url: str, key_prefix: str) -> None:
     with engine(redis_url, key_prefix, store_async=False, metrics_port=port) as e:
         _workload(e)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-        assert f'lmcr_engine_store_tokens_total{{engine_id="{e.engine_id}"'.encode() in body
+        assert f'lmcr_engine_store_tokens_total{{host="{_host()}"'.encode() in body
         assert listen_addresses(port) == ["127.0.0.1"]  # loopback by default, nothing else
 
 
@@ -108,7 +129,7 @@ def test_metrics_host_picks_the_address(redis_url: str, key_prefix: str) -> None
         _workload(e)
         assert listen_addresses(port) == ["127.0.0.2"]
         body = urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=10).read()
-        assert e.engine_id.encode() in body
+        assert b"lmcr_engine_store_tokens_total" in body
 
 
 def test_engine_publishes_its_counters_on_flush_and_close(redis_url: str,

@@ -96,6 +96,7 @@ from lmcache_remote.integrations.vllm_core import (
     load_settings,
 )
 from lmcache_remote.integrations.vllm_core import stats as connector_stats
+from lmcache_remote.integrations.vllm_core.fleet import SchedulerPublisher
 from lmcache_remote.layout_proof import CacheWriter
 from lmcache_remote.serde import dtype_name
 
@@ -203,11 +204,13 @@ class LmcrConnector(KVConnectorBase_V1):
         self._geometry = _spec_geometry(vllm_config, kv_cache_config)
         self._lookup: PrefixLookup | None = None
         self._stats: connector_stats.StatsDelta | None = None
+        self._fleet: SchedulerPublisher | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             _warn_on_fail_policy(transfer)
             self._lookup = _prefix_lookup(self._settings, self._geometry, model, world_size)
+            config = self._settings.config
             self._scheduler = SchedulerSide(
                 self._lookup, self._settings.config.chunk_size,
                 int(vllm_config.cache_config.block_size),
@@ -218,6 +221,10 @@ class LmcrConnector(KVConnectorBase_V1):
                 lookup_wait_s=(None if self._settings.lookup_wait_ms is None
                                else self._settings.lookup_wait_ms / 1000),
             )
+            if config.stats_publish_interval is not None and self._lookup.remote is not None:
+                self._fleet = SchedulerPublisher(
+                    config, self._lookup.remote, [self._scheduler.metrics, self._lookup.metrics],
+                    lambda: self._namespace, world_size)
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
             self._worker = WorkerSide(self._settings, model, world_size, rank, can_save=can_save)
@@ -331,6 +338,8 @@ class LmcrConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._fleet is not None:
+            self._fleet.close()
         if self._lookup is not None:
             self._lookup.close()
 
@@ -367,6 +376,8 @@ class LmcrConnector(KVConnectorBase_V1):
                           cached.num_computed_tokens[i])
             for i, req_id in enumerate(cached.req_ids)
         ]
+        if self._fleet is not None:
+            self._fleet.tick()
         plans = self._scheduler_side().build(
             new, again, scheduler_output.num_scheduled_tokens,
             getattr(scheduler_output, "finished_req_ids", ()) or (),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,7 +38,8 @@ class StatsPublisher:
     """Publishes `fields()` into the hash `key` every `interval` seconds, on a daemon thread."""
 
     def __init__(self, remote: RedisTier, key: str, interval: float,
-                 fields: Callable[[], Mapping[str, FieldValue]], metrics: Metrics) -> None:
+                 fields: Callable[[], Mapping[str, FieldValue]], metrics: Metrics,
+                 *, threaded: bool = True) -> None:
         self._remote = remote
         self._key = key
         self._interval = interval
@@ -47,9 +49,21 @@ class StatsPublisher:
         self._log = RateLimitedLogger(logger, 60.0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lmcr-stats-publisher",
-                                        daemon=True)
-        self._thread.start()
+        self._last = float("-inf")
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="lmcr-stats-publisher",
+                                            daemon=True)
+            self._thread.start()
+
+    def publish_if_due(self) -> bool:
+        """Without a thread (`threaded=False`: vLLM's scheduler side, which starts none), the
+        owner calls this often; it publishes when an interval has passed since the last time
+        (one pipelined round trip, bounded by `remote_timeout`, skipped while Redis is
+        unhealthy). True when it published."""
+        if time.monotonic() - self._last < self._interval:
+            return False
+        return self.publish_now()
 
     @property
     def key(self) -> str:
@@ -57,6 +71,7 @@ class StatsPublisher:
 
     def publish_now(self) -> bool:
         """Write the counters now; False when skipped (Redis unhealthy) or failed (counted)."""
+        self._last = time.monotonic()
         if not self._remote.gate.healthy:
             self._metrics.inc("publisher.skipped")
             return False
@@ -79,7 +94,8 @@ class StatsPublisher:
     def close(self) -> None:
         """Stop the thread and publish a last time (bounded by `remote_timeout`)."""
         self._stop.set()
-        self._thread.join(self._remote.config.remote_timeout * 2 + 1)
+        if self._thread is not None:
+            self._thread.join(self._remote.config.remote_timeout * 2 + 1)
         self.publish_now()
 
     def _run(self) -> None:

@@ -184,6 +184,37 @@ def test_the_connector_figures_reach_vllms_metrics_summed_over_ranks(
     assert "vllm:lmcache_remote_retrieve_seconds_count" in text
 
 
+def test_the_fleet_view_says_where_a_vllm_engines_prompt_tokens_came_from(
+        engines: Engines, redis_client: redis.Redis, key_prefix: str) -> None:
+    """The schedulers publish the prompt tokens vLLM was sent, what its own prefix cache held
+    and what this cache promised; the workers what they loaded by tier; `fleet_stats` puts
+    them together per model namespace (a worker's tokens over its world size: each rank
+    loads its share of the heads)."""
+    from lmcache_remote.admin.fleet import fleet_stats
+
+    tokens = prompt(2 * CHUNK + 30, seed=9)
+    writer = engines(tp=2, stats_publish_interval=0.05)
+    prefill(writer, "w", tokens)
+    assert writer.worker_engine(0).flush(5.0) and writer.worker_engine(1).flush(5.0)
+    reader = engines(tp=2, stats_publish_interval=0.05)
+    prefill(reader, "r", tokens)
+    assert reader.worker_engine(0).flush(5.0) and reader.worker_engine(1).flush(5.0)
+    space = reader.worker_engine().metadata.model_name
+    deadline = time.monotonic() + 20
+    while True:  # the schedulers publish on their steps, at most every interval
+        view = fleet_stats(redis_client, key_prefix)["by_model"].get(space, {})
+        if view.get("promised_tokens") == 2 * CHUNK and view.get("prompt_tokens") == 2 * len(
+                tokens):
+            break
+        assert time.monotonic() < deadline, view
+        time.sleep(0.05)
+    assert (view["schedulers"], view["engines"]) == (2, 4)
+    assert view["remote_hit_tokens"] == 2 * CHUNK  # the reader's 2 ranks x 512 / 2
+    assert view["local_hit_tokens"] == 0 and view["device_cached_tokens"] == 0
+    assert view["computed_tokens"] == 2 * len(tokens) - 2 * CHUNK
+    assert view["cache_hit_rate"] == round(2 * CHUNK / (2 * len(tokens)), 6)
+
+
 # -- loads across engines, every layout -------------------------------------------------------
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
@@ -549,7 +580,8 @@ def test_scheduler_side_is_no_engine(engines: Engines, redis_client: redis.Redis
     engine.run(["r1"])
     assert engine.worker_engine().flush(5.0)
     engines_keys = list(redis_client.scan_iter(match=f"{key_prefix}:engines:*"))
-    assert len(engines_keys) == 1  # ... counted once: the scheduler side is not
+    roles = sorted(redis_client.hget(k, "role") or b"engine" for k in engines_keys)
+    assert roles == [b"engine", b"scheduler"]  # ... the scheduler publishes its own figures
     assert len(metrics._SOURCES) - before_sources == 1
     assert sched._lookup is not None and sched._lookup.metrics.counters()["lookup.requests"] >= 1
     # built alone, as vLLM's Scheduler builds it, and asked: not one thread of its own

@@ -1,0 +1,72 @@
+"""The vLLM scheduler's figures in the fleet stats in Redis (`lmcache-remote stats`).
+
+Workers are engines and publish their loads and stores (`reporting.EngineReporter`); what only
+the scheduler knows, the prompt tokens vLLM was sent, what its own prefix cache held and what
+this cache promised, is published here, into a hash of its own (`{prefix}:engines:{id}`,
+`role` `scheduler`), so the fleet view can say, per model namespace, how many of the prompt
+tokens came from each tier. The scheduler side starts no thread: `tick()`, called every step,
+publishes when `stats_publish_interval` has passed (one pipelined round trip, skipped while
+Redis is unhealthy), and `close()` once more.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from lmcache_remote.config import CacheConfig
+from lmcache_remote.keys import engine_stats_key
+from lmcache_remote.metrics import Metrics
+from lmcache_remote.reporting import new_engine_id
+from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
+from lmcache_remote.storage.redis_tier import RedisTier
+
+__all__ = ["SCHEDULER_COUNTERS", "SchedulerPublisher"]
+
+#: Published field -> the scheduler-side counter (`SchedulerSide.metrics`, the lookup's).
+SCHEDULER_COUNTERS = {
+    "prompt_tokens": "vllm.prompt_tokens",
+    "device_cached_tokens": "vllm.device_cached_tokens",
+    "promised_tokens": "vllm.promised_tokens",
+    "scheduler_lookup_requests": "lookup.requests",
+    "scheduler_lookup_errors": "lookup.remote_errors",
+}
+
+
+class SchedulerPublisher:
+    def __init__(self, config: CacheConfig, remote: RedisTier, sources: list[Metrics],
+                 namespace: Callable[[], str], world_size: int) -> None:
+        assert config.stats_publish_interval is not None
+        self.engine_id = f"{new_engine_id()}-scheduler"
+        self._sources = sources
+        self._namespace = namespace
+        self._identity: dict[str, FieldValue] = {
+            "engine_id": self.engine_id, "role": "scheduler", "world_size": world_size,
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "started_at": round(time.time(), 3),
+        }
+        self.metrics = Metrics()  # publisher.* of this side
+        self._publisher = StatsPublisher(
+            remote, engine_stats_key(config.key_prefix, self.engine_id),
+            config.stats_publish_interval, self.fields, self.metrics, threaded=False)
+
+    def fields(self) -> dict[str, FieldValue]:
+        counters: dict[str, float] = {}
+        for metrics in self._sources:
+            for name, value in metrics.counters().items():
+                counters[name] = counters.get(name, 0) + value
+        out = dict(self._identity)
+        out["model_name"] = self._namespace()
+        for field, name in SCHEDULER_COUNTERS.items():
+            value = counters.get(name, 0)
+            out[field] = int(value) if float(value).is_integer() else value
+        out["updated_at"] = round(time.time(), 3)
+        return out
+
+    def tick(self) -> None:
+        self._publisher.publish_if_due()
+
+    def close(self) -> None:
+        self._publisher.close()
