@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from lmcache_remote import prometheus
 from lmcache_remote.keys import engine_stats_key
-from lmcache_remote.reporting import _host
 from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics
+from lmcache_remote.reporting import _host
 from tests.faultkit import bound, timed, wait_for
 from tests.servers import free_port, listen_addresses
 
