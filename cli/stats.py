@@ -80,4 +80,20 @@ def _render(cx: CliContext, result: dict[str, Any]) -> RenderableType:
         f"unauthenticated {e['remote_unauthenticated_chunks']} chunks); "
         f"duplicate writes skipped {e['duplicate_writes_skipped']}",
     ]
-    return Group(t, *(Text(line) for line in lines))
+    return Group(t, *(Text(line) for line in lines), *_served(e.get("by_model", {})))
+
+
+def _served(by_model: dict[str, dict[str, Any]]) -> list[RenderableType]:
+    """Per model namespace with a vLLM scheduler publishing: where the prompt tokens came
+    from (vLLM's own cache, the local tier, Redis, computed) and the cache's hit rate."""
+    rows = {m: v for m, v in by_model.items() if v.get("schedulers")}
+    if not rows:
+        return []
+    t = table("model", "prompt tokens", "vLLM cache", "local tier", "Redis", "computed",
+              "hit rate", "broken", title="prompt tokens by source (vLLM fleet)")
+    for model, v in rows.items():
+        rate = "-" if v["cache_hit_rate"] is None else f"{100 * v['cache_hit_rate']:.1f}%"
+        t.add_row(model, str(v["prompt_tokens"]), str(v["device_cached_tokens"]),
+                  str(v["local_hit_tokens"]), str(v["remote_hit_tokens"]),
+                  str(v["computed_tokens"]), rate, str(v["promise_broken_tokens"]))
+    return [t]

@@ -192,3 +192,49 @@ def test_url_and_prefix_from_config_file_and_environment(redis_url: str, key_pre
     # options win over the environment
     other = CliRunner().invoke(cli, ["stats", "--json", "--prefix", key_prefix + "none"], env=env)
     assert json.loads(other.stdout)["entries"] == 0
+
+
+def test_stats_shows_where_a_vllm_fleets_prompt_tokens_came_from(
+        redis_url: str, key_prefix: str) -> None:
+    """The vLLM scheduler side's own publisher (`vllm_core.fleet`, vLLM-free: its lookup and
+    plans as vLLM's scheduler drives them) beside a worker engine of the same namespace that
+    loads from Redis: `stats` says per namespace how many prompt tokens came from vLLM's own
+    cache, the local tier, Redis, and were computed. (Inside vLLM: tests/vllm_real.)"""
+    from lmcache_remote import CacheConfig
+    from lmcache_remote.integrations.vllm_core import PrefixLookup, SchedulerSide
+    from lmcache_remote.integrations.vllm_core.fleet import SchedulerPublisher
+
+    n = 1024
+    kv, _ = view("kv_split", torch.bfloat16, n, seed=1)
+    meta = metadata(model="org/served")
+    with engine(redis_url, key_prefix, meta, store_async=False) as writer:
+        writer.store(tokens(n), kv)
+    config = CacheConfig(remote_url=redis_url, key_prefix=key_prefix, chunk_size=256,
+                         stats_publish_interval=60.0)
+    lookup = PrefixLookup(config, meta.layout, [meta.namespace])
+    side = SchedulerSide(lookup, 256, 16)
+    publisher = SchedulerPublisher(config, lookup.remote, [side.metrics, lookup.metrics],
+                                   lambda: "org/served", 1)
+    prompt = [*tokens(n), *tokens(100, 7)]
+    assert side.num_new_matched_tokens("r1", prompt, 256) == n - 256  # vLLM held a chunk
+    side.after_alloc("r1", n - 256, None, list(range(70)), len(prompt))
+    side.after_alloc("r1", n - 256, None, list(range(70)), len(prompt))  # counted once
+    publisher.close()  # the last publish
+    lookup.close()
+    with engine(redis_url, key_prefix, meta, local_cpu=False) as worker:
+        dst, _ = view("kv_split", torch.bfloat16, n, seed=None)
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[:256] = False  # vLLM's own cache held these: the load skips them
+        assert int(worker.retrieve(tokens(n), dst, mask).sum()) == n - 256
+        worker.flush()
+        out = run_json("stats", "--url", redis_url, "--prefix", key_prefix)
+        human = run("stats", "--url", redis_url, "--prefix", key_prefix)
+    view_ = out["engines"]["by_model"]["org/served"]
+    assert (view_["prompt_tokens"], view_["device_cached_tokens"], view_["promised_tokens"]) \
+        == (n + 100, 256, n - 256)
+    assert view_["remote_hit_tokens"] == n - 256 and view_["local_hit_tokens"] == 0
+    assert view_["computed_tokens"] == 100
+    assert view_["cache_hit_rate"] == round((n - 256) / (n + 100), 6)
+    assert (view_["schedulers"], view_["engines"]) >= (1, 1)
+    assert human.exit_code == 0 and "prompt tokens by source" in human.stdout
+    assert "org/served" in human.stdout
