@@ -196,3 +196,65 @@ ensure_vllm_cpu_lmcache_env() {
     drop_cuda_extras "$py"
     printf '%s\n' "$py"
 }
+
+# ensure_sglang_env: the side environment with sglang==0.5.23 on the torch 2.13.0 CPU wheel, for
+#   the HiCache storage backend's tests (tests/sglang/: SGLang's own cache controller and host
+#   pools on the CPU). sglang pins torch==2.14.1 and a CUDA stack (sglang-kernel, flashinfer, ...)
+#   none of which the controller needs: it is installed with --no-deps, then the CPU packages its
+#   import chain needs, each step with torch==2.13.0 beside it so the resolver never swaps the
+#   torch build (pip then prints "sglang requires torch==2.14.1": expected). The last step adds
+#   what lmcache_remote and the fixtures import. sglang imports torchvision at start-up (a
+#   multimodal config), and PyPI's torchvision 0.28.0 (torch 2.13.0's) is a CUDA build whose
+#   library fails to register its ops on the CPU torch: it is installed --no-deps, and a small
+#   import hook (sglang_torchvision_shim) defines the two op schemas it looks up before it
+#   loads. About 2-3 minutes and 3 GB once, then reused. Prints the environment's python.
+SGLANG_VERSION="0.5.23"
+
+ensure_sglang_env() {
+    local py
+    py="$(ensure_side_env "sglang-$SGLANG_VERSION" "torch==$TORCH_VERSION" \
+        "--no-deps sglang==$SGLANG_VERSION" \
+        "torch==$TORCH_VERSION numpy psutil pydantic requests msgspec orjson pyzmq packaging pybase64 \
+setproctitle uvloop xxhash zstandard fastapi uvicorn>=0.51 prometheus-client einops regex tqdm \
+scipy pillow interegular partial_json_parser python-multipart distro watchfiles aiohttp ninja \
+pybind11 python-dateutil<3 easydict nvidia-ml-py triton IPython transformers==5.19.0 \
+tokenizers==0.23.2 tiktoken sentencepiece==0.2.1 openai==2.8.0 anthropic>=0.20.0 gguf \
+llguidance>=1.7.6,<2 blobfile==3.0.0 openai-harmony==0.0.4 mistral_common>=1.11.5 \
+soundfile==0.13.1 apache-tvm-ffi==0.1.11 dill compressed-tensors xgrammar==0.2.7" \
+        "torch==$TORCH_VERSION $(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2" \
+        "--no-deps torchvision==0.28.0")"
+    sglang_torchvision_shim "$py"
+    printf '%s\n' "$py"
+}
+
+# sglang_torchvision_shim PY: installs in PY's site-packages a .pth hook that, when torchvision
+#   is first imported, defines torchvision::nms and torchvision::qnms (the schemas its Python
+#   code registers fake kernels for; its CUDA library cannot load on the CPU torch). Torch is
+#   imported only then, not at every interpreter start. Idempotent.
+sglang_torchvision_shim() {
+    local site
+    site="$("$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    cat >"$site/_lmcr_tv_shim.py" <<'PYEOF'
+"""Written by lmcache-remote's scripts/env.sh (sglang_torchvision_shim); see there."""
+import importlib.abc
+import sys
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    lib = None
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision" and _Finder.lib is None:
+            sys.meta_path.remove(self)
+            import torch
+
+            _Finder.lib = torch.library.Library("torchvision", "DEF")
+            for op in ("nms", "qnms"):
+                _Finder.lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        return None
+
+
+sys.meta_path.insert(0, _Finder())
+PYEOF
+    printf 'import _lmcr_tv_shim\n' >"$site/_lmcr_tv_shim.pth"
+}
