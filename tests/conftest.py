@@ -46,6 +46,10 @@ TEST_REDIS_URL_ENV = "LMCR_TEST_REDIS_URL"
 # tests/vllm_cpu/ runs inside vllm-cpu 0.32.0 (the whole engine, a real forward) the same way,
 # with that environment's python.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_real", "vllm_cpu"]
+# tests/sglang_hicache/ runs inside sglang 0.5.23 (SGLang's own HiCache controller) with the
+# sglang side environment's python, the same way.
+if not importlib.util.find_spec("sglang"):
+    collect_ignore.append("sglang_hicache")
 MIN_REDIS_VERSION = (7, 0)
 
 

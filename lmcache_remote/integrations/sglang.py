@@ -1,0 +1,390 @@
+"""SGLang HiCache: an L3 storage backend on Redis/Valkey (sglang 0.5.23).
+
+SGLang's hierarchical cache keeps KV in the GPU (L1) and a host pool (L2); an L3 backend keeps
+host-pool pages for other requests, processes and engines. This module is the only one that
+imports SGLang (its base class, at import time). SGLang loads it without patches through its
+`dynamic` backend factory:
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "lmcache-remote",
+        "module_path": "lmcache_remote.integrations.sglang", "class_name": "RedisHiCacheStorage",
+        "interface_v1": 1, "remote_url": "redis://host:6379/0"}'
+
+How SGLang drives it (its `HiCacheController`/`HybridCacheController`):
+
+- `RedisHiCacheStorage(storage_config, kwargs)`: built once per rank. The extra config, less
+  the keys SGLang or the factory use, configures it: `config_file` (a YAML file of `CacheConfig`
+  fields, as `load_config`), any `CacheConfig` field (`remote_url`, `key_prefix`, `serde`,
+  `remote_timeout`, `remote_ttl`, `integrity_key`, ...), `model_name` and `model_fingerprint`
+  (as the vLLM connector's: docs/key-schema.md). A bad value raises `ConfigError` here, at
+  start-up.
+- `register_mem_pool_host(pool)`: the host pool whose pages the v1 calls name. It fixes the
+  page geometry (attention kind, layout, dtype, page size, this rank's share, the page's memory
+  regions as `get_page_buffer_meta` lists them) and with it the key family
+  `{prefix}:hc1:{model}:{geometry}:{{page_hash}}` (`keys.PageKey`).
+- `batch_exists(keys)`: how many leading pages are in Redis (one round trip). SGLang takes the
+  minimum over its ranks.
+- `batch_set_v1(keys, host_indices)` / `batch_get_v1(keys, host_indices)` (`interface_v1` on):
+  copy the pages' regions out of / into the host pool, through a window of staging memory
+  (`storage.pages.PageStore`); per page True or False, reads a leading run.
+- `get`/`set`/`batch_get`/`batch_set`/`exists` (`interface_v1` off): SGLang's flat page
+  tensors, under keys whose geometry says `flat` (their byte order differs from the regions').
+- `clear()`: deletes this backend's pages (this model and geometry) with SCAN/UNLINK;
+  `get_stats()`: SGLang's `StorageMetrics` of the calls since the last one; `close()`.
+
+Never raises into SGLang from a data call: a failure (Redis down or slow past
+`remote_timeout`, a damaged value, an unknown key) is a miss or a failed write, counted
+(`stats()`) and logged at most every 10 s. Pages are never shared with the vLLM connector's
+chunks: SGLang hashes pages (SHA-256, page by page) where the connector hashes 256-token chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from lmcache_remote.config import CacheConfig, load_config, mask_url
+from lmcache_remote.errors import ConfigError, KeyFormatError
+from lmcache_remote.fingerprint import (
+    FingerprintError,
+    model_fingerprint,
+    model_folder,
+    model_name_of,
+    namespace,
+    resolve_fingerprint,
+)
+from lmcache_remote.keys import PageKey
+from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.serde import dtype_name
+from lmcache_remote.storage.pages import PageStore
+
+logger = logging.getLogger(__name__)
+
+#: Extra-config keys that SGLang's factory or controller reads, not this backend.
+_SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1",
+                "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                "hicache_storage_pass_prefix_keys", "tp_lcm_size")
+_GB = 1e9
+
+
+class RedisHiCacheStorage(HiCacheStorage):
+    """SGLang's `HiCacheStorage` on Redis/Valkey; see the module contract."""
+
+    def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.zero_copy = bool(extra.get("interface_v1"))
+        for name in _SGLANG_KEYS:
+            extra.pop(name, None)
+        self.storage_config = storage_config
+        self.model_name_setting = _optional_str(extra.pop("model_name", None), "model_name")
+        fingerprint = extra.pop("model_fingerprint", "auto")
+        if not isinstance(fingerprint, str) or not fingerprint or any(
+                c.isspace() for c in fingerprint):
+            raise ConfigError("model_fingerprint", f"must be 'auto', 'off' or a string "
+                              f"without spaces, got {fingerprint!r}")
+        self.fingerprint_setting = fingerprint
+        self.config: CacheConfig = load_config(extra.pop("config_file", None), **extra)
+        if self.config.remote_url is None:
+            raise ConfigError("remote_url", "the SGLang backend needs a Redis/Valkey URL")
+        self.source = str(getattr(storage_config, "model_name", None) or "")
+        if not self.source and self.model_name_setting is None:
+            raise ConfigError("model_name", "SGLang named no model: set model_name")
+        if fingerprint == "auto" and model_folder(self.source) is None:
+            raise ConfigError("model_fingerprint", f"cannot find the files of model "
+                              f"{self.source!r} to fingerprint them: set model_fingerprint to "
+                              "a string that names these weights, or to 'off'")
+        self.metrics = Metrics()
+        self._log = RateLimitedLogger(logger)
+        self._lock = threading.Lock()
+        self._model: str | None = None
+        self._pages: PageStore | None = None  # v1: the host pool's regions
+        self._flat: PageStore | None = None  # interface_v1 off: SGLang's flat pages
+        self.mem_pool_host: Any = None
+        self._regions: _Regions | None = None
+        self._window: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
+                                                "prefetch_bandwidth": [],
+                                                "backup_bandwidth": []}
+        logger.info("lmcache-remote SGLang backend: %s, prefix %s, rank %s/%s%s",
+                    mask_url(self.config.remote_url), self.config.key_prefix,
+                    getattr(storage_config, "tp_rank", 0), getattr(storage_config, "tp_size", 1),
+                    " (MLA)" if getattr(storage_config, "is_mla_model", False) else "")
+
+    # -- registration -----------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Fixes the page geometry from the host pool (its first page's regions)."""
+        super().register_mem_pool_host(mem_pool_host)
+        self.mem_pool_host = mem_pool_host
+        self._regions = _Regions(mem_pool_host)
+        model = self._model_namespace(mem_pool_host.dtype)
+        if self.zero_copy:
+            regions = self._regions
+            self._pages = PageStore(self.config, (regions.count, regions.elements),
+                                    mem_pool_host.dtype, mem_pool_host.page_size,
+                                    metrics=self.metrics)
+            self._pages_geometry = self._geometry(f"r{regions.count}x{regions.nbytes}")
+            logger.info("lmcache-remote SGLang pages: %s:hc1:%s:%s:{page hash}",
+                        self.config.key_prefix, model, self._pages_geometry)
+
+    def _model_namespace(self, dtype: torch.dtype) -> str:
+        if self._model is None:
+            name = self.model_name_setting or model_name_of(self.source)
+
+            def compute() -> str:
+                folder = model_folder(self.source)
+                if folder is None:
+                    raise FingerprintError(f"cannot find the files of model {self.source!r}")
+                return model_fingerprint(folder, kv_dtype=dtype_name(dtype))
+
+            self._model = namespace(name, resolve_fingerprint(self.fingerprint_setting, compute))
+            logger.info("lmcache-remote: model namespace %s (model %s, model_fingerprint %s)",
+                        self._model, self.source, self.fingerprint_setting)
+        return self._model
+
+    def _geometry(self, form: str) -> str:
+        """The geometry field of this backend's page keys: what decides a page's bytes."""
+        pool, cfg = self.mem_pool_host, self.storage_config
+        mla = bool(getattr(cfg, "is_mla_model", False))
+        fields = ["mla" if mla else "mha", str(pool.layout).replace("_", "-"),
+                  dtype_name(pool.dtype), f"p{pool.page_size}"]
+        if not mla:
+            fields.append(f"tp{cfg.tp_rank}of{cfg.tp_size}")
+        for name, rank, size in (("pp", "pp_rank", "pp_size"), ("cp", "attn_cp_rank",
+                                 "attn_cp_size"), ("dcp", "dcp_rank", "dcp_size")):
+            if int(getattr(cfg, size, 1) or 1) > 1:
+                fields.append(f"{name}{getattr(cfg, rank)}of{getattr(cfg, size)}")
+        fields.append(form)
+        return ".".join(fields)
+
+    def _keys(self, hashes: Sequence[str], geometry: str) -> list[PageKey] | None:
+        assert self._model is not None
+        try:
+            return [PageKey(self._model, geometry, str(h)) for h in hashes]
+        except KeyFormatError as exc:
+            self.metrics.inc("pages.bad_keys")
+            self._log.warning("bad-key", "page key refused: %s", exc)
+            return None
+
+    # -- v1: zero-copy into the host pool ---------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        try:
+            if self.zero_copy:
+                store, geometry = self._pages, getattr(self, "_pages_geometry", "")
+            else:
+                store, geometry = self._flat_store(), getattr(self, "_flat_geometry", "")
+            if store is None:
+                return 0
+            page_keys = self._keys(keys, geometry)
+            return store.present(page_keys) if page_keys else 0
+        except Exception as exc:  # noqa: BLE001 - never into SGLang
+            return self._error("exists", exc, 0)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            store, regions = self._pages, self._regions
+            page_keys = self._keys(keys, getattr(self, "_pages_geometry", ""))
+            if store is None or regions is None or page_keys is None:
+                return [False] * len(keys)
+            pages = regions.pages(host_indices, len(keys))
+            served = store.read(page_keys, lambda i, page: regions.scatter(pages[i], page))
+        except Exception as exc:  # noqa: BLE001
+            return self._error("get", exc, [False] * len(keys))
+        self._note("prefetch", sum(served), start, store.page_nbytes)
+        return served
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            store, regions = self._pages, self._regions
+            page_keys = self._keys(keys, getattr(self, "_pages_geometry", ""))
+            if store is None or regions is None or page_keys is None:
+                return [False] * len(keys)
+            pages = regions.pages(host_indices, len(keys))
+            landed = store.write(page_keys, lambda i, page: regions.gather(pages[i], page))
+        except Exception as exc:  # noqa: BLE001
+            return self._error("set", exc, [False] * len(keys))
+        self._note("backup", sum(landed), start, store.page_nbytes)
+        return landed
+
+    # -- the generic interface (interface_v1 off): flat page tensors ------------------------
+
+    def _flat_store(self) -> PageStore | None:
+        pool = self.mem_pool_host
+        if pool is None:
+            return None
+        with self._lock:
+            if self._flat is None:
+                dummy = pool.get_dummy_flat_data_page()
+                self._flat_geometry = self._geometry(f"flat{dummy.numel()}")
+                self._flat = PageStore(self.config, (int(dummy.numel()),), dummy.dtype,
+                                       pool.page_size, metrics=self.metrics)
+            return self._flat
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        start = time.perf_counter()
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        try:
+            store = self._flat_store()
+            page_keys = self._keys(keys, getattr(self, "_flat_geometry", ""))
+            if store is None or page_keys is None:
+                return out
+            targets = list(target_locations) if target_locations is not None else [
+                torch.empty(store.page_shape, dtype=store.dtype) for _ in keys]
+
+            def drain(i: int, page: torch.Tensor) -> None:
+                targets[i].view(-1).copy_(page.view(-1))
+                out[i] = targets[i]
+
+            store.read(page_keys, drain)
+        except Exception as exc:  # noqa: BLE001
+            return self._error("get", exc, [None] * len(keys))
+        self._note("prefetch", sum(x is not None for x in out), start,
+                   self._flat.page_nbytes if self._flat else 0)
+        return out
+
+    def get(self, key: str, target_location: Any = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        start = time.perf_counter()
+        try:
+            store = self._flat_store()
+            page_keys = self._keys(keys, getattr(self, "_flat_geometry", ""))
+            if store is None or page_keys is None or values is None:
+                return False
+            pages = list(values)
+
+            def fill(i: int, page: torch.Tensor) -> None:
+                page.view(-1).copy_(pages[i].reshape(-1))
+
+            landed = store.write(page_keys, fill)
+        except Exception as exc:  # noqa: BLE001
+            return self._error("set", exc, False)
+        self._note("backup", sum(landed), start, store.page_nbytes)
+        return all(landed)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Deletes this backend's pages (its model and geometries) under the prefix."""
+        for store, geometry in ((self._pages, getattr(self, "_pages_geometry", None)),
+                                (self._flat, getattr(self, "_flat_geometry", None))):
+            if store is None or geometry is None:
+                continue
+            try:
+                deleted = store.clear(self._model, geometry)
+                logger.info("lmcache-remote: cleared %d page values of %s", deleted, geometry)
+            except Exception as exc:  # noqa: BLE001
+                self._error("clear", exc, None)
+
+    def get_stats(self) -> Any:
+        """SGLang's `StorageMetrics` of the calls since the last `get_stats`."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            window = {k: list(v) for k, v in self._window.items()}
+            for values in self._window.values():
+                values.clear()
+        return StorageMetrics(prefetch_pgs=[int(x) for x in window["prefetch_pgs"]],
+                              backup_pgs=[int(x) for x in window["backup_pgs"]],
+                              prefetch_bandwidth=window["prefetch_bandwidth"],
+                              backup_bandwidth=window["backup_bandwidth"])
+
+    def stats(self) -> dict[str, Any]:
+        """This backend's counters (`pages.*`: hits, misses, written, corrupt, errors, ...)."""
+        return self.metrics.snapshot()
+
+    def close(self) -> None:
+        for store in (self._pages, self._flat):
+            if store is not None:
+                store.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _note(self, what: str, pages: int, start: float, page_nbytes: int) -> None:
+        seconds = max(time.perf_counter() - start, 1e-9)
+        with self._lock:
+            self._window[f"{what}_pgs"].append(pages)
+            self._window[f"{what}_bandwidth"].append(pages * page_nbytes / seconds / _GB)
+
+    def _error(self, what: str, exc: BaseException, result: Any) -> Any:
+        self.metrics.inc("pages.errors")
+        self._log.warning(f"sglang-{what}", "lmcache-remote SGLang %s failed: %s: %s", what,
+                          type(exc).__name__, exc)
+        return result
+
+
+class _Regions:
+    """The host pool's page regions as byte views of its buffer (bounds-checked), from the
+    pointers `get_page_buffer_meta` gives: every page has ``count`` regions of ``nbytes``."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.page_size = int(pool.page_size)
+        buffer = pool.kv_buffer
+        if not buffer.is_contiguous() or buffer.device.type != "cpu":
+            raise ConfigError("hicache", "the host pool's buffer is not contiguous CPU memory")
+        self.bytes = buffer.reshape(-1).view(torch.uint8)
+        self.base = int(buffer.data_ptr())
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+        if not ptrs or len(set(sizes)) != 1:
+            raise ConfigError("hicache", f"unexpected page regions: {len(ptrs)} of {set(sizes)}")
+        self.count = len(ptrs)
+        self.nbytes = int(sizes[0])
+        itemsize = pool.dtype.itemsize
+        if self.nbytes % itemsize:
+            raise ConfigError("hicache", f"a region of {self.nbytes} bytes is not whole values")
+        self.elements = self.nbytes // itemsize
+
+    def pages(self, host_indices: torch.Tensor, count: int) -> list[list[torch.Tensor]]:
+        """Per page, its regions as uint8 views into the pool."""
+        if len(host_indices) != count * self.page_size:
+            raise ValueError(f"{len(host_indices)} host slots for {count} pages")
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        if len(ptrs) != count * self.count or any(int(s) != self.nbytes for s in sizes):
+            raise ValueError(f"the pool gave {len(ptrs)} regions for {count} pages")
+        total = self.bytes.numel()
+        views = []
+        for ptr in ptrs:
+            offset = int(ptr) - self.base
+            if offset < 0 or offset + self.nbytes > total:
+                raise ValueError("a page region lies outside the host pool")
+            views.append(self.bytes[offset:offset + self.nbytes])
+        return [views[i * self.count:(i + 1) * self.count] for i in range(count)]
+
+    def gather(self, regions: list[torch.Tensor], page: torch.Tensor) -> None:
+        out = page.view(-1).view(torch.uint8).view(self.count, self.nbytes)
+        for r, region in enumerate(regions):
+            out[r].copy_(region)
+
+    def scatter(self, regions: list[torch.Tensor], page: torch.Tensor) -> None:
+        src = page.view(-1).view(torch.uint8).view(self.count, self.nbytes)
+        for r, region in enumerate(regions):
+            region.copy_(src[r])
+
+
+def _optional_str(value: Any, name: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(name, f"must be a non-empty string, got {value!r}")
+    return value
+

@@ -1,0 +1,137 @@
+"""The Redis backend inside SGLang's own HiCache controller (see rig.py): pages written by
+SGLang's backup thread, found by its hit query and loaded by its prefetch, byte for byte."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import torch
+from rig import PAGE, Engine, tokens_for
+
+from lmcache_remote.keys import PageKey, page_scan_pattern
+
+
+def page_keys(client: redis.Redis, prefix: str) -> list[PageKey]:
+    return [PageKey.from_redis_key(prefix, k)
+            for k in client.scan_iter(match=page_scan_pattern(prefix), count=1000)]
+
+
+def round_trip(engines: Callable[..., Engine], pages: int = 5, **spec: Any
+               ) -> tuple[Engine, Engine]:
+    """A writer engine backs up `pages` pages; a second engine (its own controller and pools)
+    prefetches them with two unknown pages after: exactly the written pages load, equal."""
+    writer = engines(**spec)
+    tokens = tokens_for(pages, seed=1)
+    slots = writer.fill(pages, seed=2)
+    assert writer.backup(tokens, slots) == pages * PAGE
+    reader = engines(**spec)
+    loaded, dest = reader.prefetch(tokens + tokens_for(2, seed=3))
+    assert loaded == pages * PAGE
+    assert reader.page_bytes(dest, pages) == writer.page_bytes(slots, pages)
+    return writer, reader
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct",
+                                    "page_head"])
+def test_mha_round_trip(engines: Callable[..., Engine], layout: str,
+                        redis_client: redis.Redis, key_prefix: str) -> None:
+    writer, _ = round_trip(engines, layout=layout)
+    keys = page_keys(redis_client, key_prefix)
+    assert sorted(k.page_hash for k in keys) == sorted(writer.hashes(tokens_for(5, seed=1)))
+    geometry = {k.geometry for k in keys}
+    assert geometry == {f"mha.{layout.replace('_', '-')}.bfloat16.p16.tp0of1."
+                        f"{'r6x512' if layout == 'layer_first' else 'r2x1536'}"}
+    assert {k.model_name for k in keys} == {"tiny-llama@test"}
+    assert writer.backend.stats()["pages"]["written"] == 5
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_mla_round_trip(engines: Callable[..., Engine], layout: str,
+                        redis_client: redis.Redis, key_prefix: str) -> None:
+    round_trip(engines, layout=layout, mla=True)
+    assert {k.geometry.split(".")[0] for k in page_keys(redis_client, key_prefix)} == {"mla"}
+
+
+@pytest.mark.parametrize(("layout", "mla"), [("layer_first", False), ("page_first", True)])
+def test_generic_interface(engines: Callable[..., Engine], layout: str, mla: bool,
+                           redis_client: redis.Redis, key_prefix: str) -> None:
+    """`interface_v1` off: SGLang hands flat page tensors to batch_set/batch_get; stored
+    under a `flat` geometry, which a zero-copy engine never reads (other byte order)."""
+    round_trip(engines, layout=layout, mla=mla, zero_copy=False)
+    assert {k.geometry.split(".")[-1][:4] for k in page_keys(redis_client, key_prefix)} == {
+        "flat"}
+    zero_copy = engines(layout=layout, mla=mla)
+    assert zero_copy.prefetch(tokens_for(5, seed=1))[0] == 0
+
+
+def test_two_engines_share_pages_of_one_geometry_only(engines: Callable[..., Engine]) -> None:
+    """Two engines each write a prompt and load the other's; an engine of another layout or
+    dtype finds nothing of either (its keys name another geometry)."""
+    a, b = engines(), engines()
+    ta, tb = tokens_for(3, seed=10), tokens_for(4, seed=11)
+    sa, sb = a.fill(3, seed=12), b.fill(4, seed=13)
+    assert a.backup(ta, sa) == 3 * PAGE and b.backup(tb, sb) == 4 * PAGE
+    loaded, dest = a.prefetch(tb)
+    assert loaded == 4 * PAGE and a.page_bytes(dest, 4) == b.page_bytes(sb, 4)
+    loaded, dest = b.prefetch(ta)
+    assert loaded == 3 * PAGE and b.page_bytes(dest, 3) == a.page_bytes(sa, 3)
+    assert engines(layout="page_first_direct").prefetch(ta)[0] == 0
+    assert engines(dtype=torch.float16).prefetch(ta)[0] == 0
+
+
+def test_evicted_middle_page_cuts_the_prefix(engines: Callable[..., Engine],
+                                             redis_client: redis.Redis, key_prefix: str) -> None:
+    writer = engines()
+    tokens = tokens_for(5, seed=20)
+    slots = writer.fill(5, seed=21)
+    assert writer.backup(tokens, slots) == 5 * PAGE
+    victim = PageKey("tiny-llama@test", writer.backend._pages_geometry, writer.hashes(tokens)[2])
+    assert redis_client.unlink(victim.redis_key(key_prefix)) == 1
+    reader = engines()
+    loaded, dest = reader.prefetch(tokens)
+    assert loaded == 2 * PAGE
+    assert reader.page_bytes(dest, 2) == writer.page_bytes(slots, 2)
+
+
+def test_damaged_value_is_a_miss_and_deleted(engines: Callable[..., Engine],
+                                             redis_client: redis.Redis, key_prefix: str) -> None:
+    writer = engines()
+    tokens = tokens_for(4, seed=30)
+    slots = writer.fill(4, seed=31)
+    assert writer.backup(tokens, slots) == 4 * PAGE
+    damaged = PageKey("tiny-llama@test", writer.backend._pages_geometry,
+                      writer.hashes(tokens)[1]).redis_key(key_prefix)
+    value = redis_client.get(damaged)
+    assert value is not None
+    redis_client.setrange(damaged, len(value) - 1, bytes([value[-1] ^ 0xFF]))
+    reader = engines()
+    # the hit query still sees the page (EXISTS); the read finds the damage and stops there
+    loaded, dest = reader.prefetch(tokens)
+    assert loaded == 1 * PAGE
+    assert reader.page_bytes(dest, 1) == writer.page_bytes(slots, 1)
+    assert redis_client.exists(damaged) == 0
+    assert reader.backend.stats()["pages"]["corrupt"] == 1
+    assert reader.prefetch(tokens)[0] == 1 * PAGE  # gone: the hit query now stops there too
+
+
+def test_redis_down_is_misses(engines: Callable[..., Engine], private_redis: Any) -> None:
+    """Redis gone under a running engine: the backup reports nothing written, the hit query
+    nothing found, and SGLang's threads go on (the next calls return at once)."""
+    engine = engines({"remote_url": private_redis.url, "remote_timeout": 0.5})
+    tokens = tokens_for(3, seed=40)
+    private_redis.stop()
+    assert engine.backup(tokens, engine.fill(3, seed=41)) == 0
+    assert engine.prefetch(tokens)[0] == 0
+    assert engine.backup(tokens, engine.fill(3, seed=42)) == 0
+    assert engine.backend.stats()["pages"]["errors"] >= 2
+
+
+def test_storage_metrics(engines: Callable[..., Engine]) -> None:
+    writer, reader = round_trip(engines)
+    backup = writer.backend.get_stats()
+    assert sum(backup.backup_pgs) == 5 and all(bw > 0 for bw in backup.backup_bandwidth)
+    assert writer.backend.get_stats().backup_pgs == []  # drained
+    assert sum(reader.backend.get_stats().prefetch_pgs) == 5
