@@ -302,3 +302,14 @@ def page_scan_pattern(prefix: str, model_name: str | None = None,
     fields = [escape_model_name(model_name) if model_name is not None else None, geometry]
     body = ":".join("*" if f is None else _glob_escape(f) for f in fields)
     return f"{_glob_escape(prefix)}:{PAGE_KEY_VERSION}:{body}:{{*"
+
+
+def split_page_part_key(prefix: str, key: str | bytes) -> tuple[PageKey, int]:
+    """(the page's key, the part index) of any page value key under `prefix`."""
+    text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+    base, sep, index = text.rpartition(PART_SEP)
+    if sep and base.endswith("}"):
+        if not (index.isascii() and index.isdigit()) or index.startswith("0"):
+            raise KeyFormatError(f"bad part index in {text!r}")
+        return PageKey.from_redis_key(prefix, base), int(index)
+    return PageKey.from_redis_key(prefix, text), 0

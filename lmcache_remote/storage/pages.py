@@ -12,8 +12,9 @@ trip.
   `PageKey.hash_bytes` (a digest of the key without its prefix), its token count the page size.
   With an `integrity_key` every value carries a MAC bound to that key, and only values whose
   MAC verifies are served.
-- `present(keys)`: one round trip (`EXISTS` of every value key of every page); the length of
-  the leading run of whole pages.
+- `present(keys)`: one round trip (`TOUCH` of every value key of every page: it counts them
+  as EXISTS does and refreshes their LRU clock, since a hit query promises the pages to the
+  read that follows); the length of the leading run of whole pages.
 - `write(keys, fill)`: pages go out in windows of about `WINDOW_BYTES` raw bytes, one window
   in flight at a time: ``fill(i, staging)`` copies page i into a staging tensor of the window,
   which is encoded (raw: values are views of it, no copy) and written in one pipelined batch.
@@ -104,7 +105,7 @@ class PageStore:
         """How many leading pages are whole in Redis now (0 on any failure)."""
         if not keys:
             return 0
-        commands = [("EXISTS", *k.part_keys(self.prefix, self.nparts)) for k in keys]
+        commands = [("TOUCH", *k.part_keys(self.prefix, self.nparts)) for k in keys]
         try:
             with call_deadline(self.timeout):
                 replies = self._run(commands)

@@ -111,16 +111,27 @@ class Engine:
                                          device_pool=device, layer_mapper=lambda i: i,
                                          is_primary_index_anchor=True)])
         self.tp_group = dist.new_group([0], backend="gloo")
-        extra = {**BACKEND, "interface_v1": int(self.zero_copy), **self.extra}
         self.controller = HybridCacheController(
             allocator, group, self.page, self.tp_group, threading.Event(),
             storage_backend="dynamic", model_name=str(_STATE["model_dir"]),
-            storage_backend_extra_config=extra, prefetch_threshold=self.page)
+            storage_backend_extra_config=self.extra_config(), prefetch_threshold=self.page)
+
+    def extra_config(self) -> dict[str, Any]:
+        return {**BACKEND, "interface_v1": int(self.zero_copy), **self.extra}
+
+    def reattach(self) -> None:
+        """SGLang's runtime detach, then attach of a new backend instance (PUT/DELETE
+        /hicache/storage-backend)."""
+        self.controller.detach_storage_backend()
+        self.controller.attach_storage_backend(
+            "dynamic", prefetch_threshold=self.page, model_name=str(_STATE["model_dir"]),
+            storage_backend_extra_config=self.extra_config(),
+            host_pools=list(self.controller.mem_pool_host.entries))
 
     @property
     def backend(self) -> Any:
         backend = self.controller.storage_backend
-        return getattr(backend, "backend", backend)  # under SGLang's failure injector
+        return getattr(backend, "_backend", backend)  # under SGLang's failure injector
 
     def fill(self, pages: int, seed: int) -> torch.Tensor:
         """Host slots of `pages` new pages holding random values (seeded)."""
@@ -166,8 +177,8 @@ class Engine:
                 ack = self.controller.ack_prefetch_queue.get(timeout=WAIT)
             except Empty as exc:
                 raise AssertionError("no prefetch ack") from exc
-            if ack.completed_tokens:
-                loaded += int(ack.completed_tokens)
+            if ack.completed_tokens:  # progress so far, not an increment
+                loaded = max(loaded, int(ack.completed_tokens))
             if ack.completed_req:
                 break
         loaded = max(loaded, int(op.completed_tokens))

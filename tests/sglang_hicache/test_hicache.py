@@ -3,6 +3,7 @@ SGLang's backup thread, found by its hit query and loaded by its prefetch, byte 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,12 +12,14 @@ import redis
 import torch
 from rig import PAGE, Engine, tokens_for
 
-from lmcache_remote.keys import PageKey, page_scan_pattern
+from lmcache_remote.keys import PageKey, page_scan_pattern, split_page_part_key
 
 
 def page_keys(client: redis.Redis, prefix: str) -> list[PageKey]:
-    return [PageKey.from_redis_key(prefix, k)
-            for k in client.scan_iter(match=page_scan_pattern(prefix), count=1000)]
+    """The pages under `prefix` (their first values; part keys left out)."""
+    found = [split_page_part_key(prefix, k)
+             for k in client.scan_iter(match=page_scan_pattern(prefix), count=1000)]
+    return [key for key, part in found if part == 0]
 
 
 def round_trip(engines: Callable[..., Engine], pages: int = 5, **spec: Any
@@ -135,3 +138,72 @@ def test_storage_metrics(engines: Callable[..., Engine]) -> None:
     assert sum(backup.backup_pgs) == 5 and all(bw > 0 for bw in backup.backup_bandwidth)
     assert writer.backend.get_stats().backup_pgs == []  # drained
     assert sum(reader.backend.get_stats().prefetch_pgs) == 5
+
+
+def test_redis_hung_is_bounded_misses(engines: Callable[..., Engine], private_redis: Any) -> None:
+    """A server that accepts and never answers (SIGSTOP): each call ends at its deadline
+    (`remote_timeout`) as a failed write or a miss, later ones are skipped while the health
+    gate backs off, and once the server answers again the pages go through."""
+    engine = engines({"remote_url": private_redis.url, "remote_timeout": 0.5,
+                      "unhealthy_backoff": 0.2})
+    tokens = tokens_for(3, seed=50)
+    private_redis.pause()
+    try:
+        assert engine.backup(tokens, engine.fill(3, seed=51)) == 0
+        assert engine.prefetch(tokens)[0] == 0
+    finally:
+        private_redis.resume()
+    errors = engine.backend.stats()["pages"]["errors"]
+    assert errors >= 2
+    time.sleep(0.5)  # past the back-off: the next call probes the server again
+    slots = engine.fill(3, seed=52)
+    assert engine.backup(tokens, slots) == 3 * PAGE
+    reader = engines({"remote_url": private_redis.url})
+    loaded, dest = reader.prefetch(tokens)
+    assert loaded == 3 * PAGE and reader.page_bytes(dest, 3) == engine.page_bytes(slots, 3)
+
+
+def test_sglang_failure_injector(engines: Callable[..., Engine],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's own fault injector around the backend (every call fails): nothing is written
+    or found, and SGLang's detach still closes the backend through the wrapper."""
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "1.0")
+    engine = engines()
+    assert type(engine.controller.storage_backend).__name__ == "HiCacheStorageFailureInjector"
+    tokens = tokens_for(3, seed=60)
+    assert engine.backup(tokens, engine.fill(3, seed=61)) == 0
+    assert engine.prefetch(tokens)[0] == 0
+    backend = engine.backend
+    engine.controller.detach_storage_backend()
+    assert backend._pages._closed.is_set()
+
+
+def test_detach_and_reattach(engines: Callable[..., Engine]) -> None:
+    """SGLang's runtime detach closes the backend; a new one attached in its place finds the
+    pages the first one wrote."""
+    engine = engines()
+    tokens = tokens_for(4, seed=70)
+    slots = engine.fill(4, seed=71)
+    assert engine.backup(tokens, slots) == 4 * PAGE
+    first = engine.backend
+    engine.reattach()
+    assert engine.backend is not first and first._pages._closed.is_set()
+    loaded, dest = engine.prefetch(tokens)
+    assert loaded == 4 * PAGE and engine.page_bytes(dest, 4) == engine.page_bytes(slots, 4)
+
+
+def test_batches_of_128_pages(engines: Callable[..., Engine], redis_client: redis.Redis,
+                              key_prefix: str) -> None:
+    """130 pages of 64 tokens (256 KiB each): SGLang writes them as a batch of 128 and one of
+    2, each cut into windows of the page store; all of them come back byte for byte."""
+    spec = {"page": 64, "layers": 2, "heads": 4, "head_dim": 128, "size": 131 * 64}
+    writer = engines(**spec)
+    tokens = tokens_for(130, seed=80, page=64)
+    slots = writer.fill(130, seed=81)
+    assert writer.backup(tokens, slots) == 130 * 64
+    assert writer.backend._pages.page_nbytes == 256 * 1024
+    reader = engines(**spec)
+    loaded, dest = reader.prefetch(tokens)
+    assert loaded == 130 * 64
+    assert reader.page_bytes(dest, 130) == writer.page_bytes(slots, 130)
+    assert len(page_keys(redis_client, key_prefix)) == 130
