@@ -55,17 +55,23 @@ def save_model_dir(path: Path) -> Path:
     return path
 
 
-def start_sglang(model_dir: Path, workdir: Path) -> None:
+def start_sglang(model_dir: Path, workdir: Path, *, rank: int = 0, world: int = 1,
+                 init_file: Path | None = None) -> None:
+    """Joins the gloo group (`world` ranks meeting at `init_file`) and publishes SGLang's
+    `ServerArgs` with tensor parallelism `world` for this rank; once per process."""
     with _started:
         if _STATE:
             return
         from sglang.srt.server_args import ServerArgs
-        from sglang.test.parallel_groups import publish
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/pg-{uuid.uuid4().hex}",
-                                rank=0, world_size=1)
+        from sglang.test.parallel_groups import SpawnRanks, publish
+        init = init_file or workdir / f"pg-{uuid.uuid4().hex}"
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
+                                world_size=world)
         publish(ServerArgs(model_path=str(model_dir), device="cpu", load_format="dummy",
-                           page_size=PAGE), role="scheduler")
+                           page_size=PAGE, tp_size=world), role="scheduler",
+                ranks=SpawnRanks(world_rank=rank))
         _STATE["model_dir"] = model_dir
+        _STATE["world"] = world
 
 
 @dataclass
@@ -110,7 +116,11 @@ class Engine:
         group = HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=self.host,
                                          device_pool=device, layer_mapper=lambda i: i,
                                          is_primary_index_anchor=True)])
-        self.tp_group = dist.new_group([0], backend="gloo")
+        # one rank: a group per engine (engines of one process must not share collectives);
+        # several: the world is the tensor-parallel group
+        world = _STATE["world"]
+        self.tp_group = (dist.new_group([0], backend="gloo") if world == 1
+                         else dist.group.WORLD)
         self.controller = HybridCacheController(
             allocator, group, self.page, self.tp_group, threading.Event(),
             storage_backend="dynamic", model_name=str(_STATE["model_dir"]),
