@@ -1,0 +1,208 @@
+"""Page keys (`keys.PageKey`) and the page store (`storage.pages.PageStore`) that SGLang's
+HiCache backend stands on, against real servers (no SGLang needed: tests/sglang_hicache/
+drives the same store from SGLang's own controller)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from lmcache_remote import load_config
+from lmcache_remote.errors import KeyFormatError
+from lmcache_remote.keys import (
+    CacheEngineKey,
+    PageKey,
+    page_scan_pattern,
+    scan_pattern,
+    split_page_part_key,
+)
+from lmcache_remote.storage.pages import PageStore
+
+SHAPE = (2, 3000)  # two regions of 3000 bfloat16 values: 12,000 bytes a page
+HASH = "ab" * 32
+
+
+def store(url: str, prefix: str, shape: tuple[int, ...] = SHAPE, **fields: Any) -> PageStore:
+    config = load_config(remote_url=url, key_prefix=prefix, **fields)
+    return PageStore(config, shape, torch.bfloat16, 16)
+
+
+def pages(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen).to(torch.bfloat16) for _ in range(n)]
+
+
+def keys(n: int, geometry: str = "mha.page-first.bfloat16.p16.tp0of1.r2x6000") -> list[PageKey]:
+    return [PageKey("org/model:v2@f1-00", geometry, f"{i:064x}") for i in range(n)]
+
+
+def write(st: PageStore, ks: list[PageKey], data: list[torch.Tensor]) -> list[bool]:
+    return st.write(ks, lambda i, page: page.copy_(data[i]))
+
+
+def read(st: PageStore, ks: list[PageKey]) -> tuple[list[bool], dict[int, torch.Tensor]]:
+    got: dict[int, torch.Tensor] = {}
+    return st.read(ks, lambda i, page: got.__setitem__(i, page.clone())), got
+
+
+# -- keys ---------------------------------------------------------------------------------------
+
+
+def test_page_key_round_trip_and_family() -> None:
+    key = PageKey("org/model:v2{x}", "mla.layer-first.float16.p64.r3x2048", HASH)
+    text = key.redis_key("lmcr")
+    assert text == f"lmcr:hc1:org/model%3Av2%7Bx%7D:mla.layer-first.float16.p64.r3x2048:{{{HASH}}}"
+    assert PageKey.from_redis_key("lmcr", text) == key
+    assert split_page_part_key("lmcr", text + "#2") == (key, 2)
+    assert key.part_keys("lmcr", 2) == [text, text + "#1"]
+    # its own family: chunk patterns never match it, nor page patterns a chunk key
+    chunk = CacheEngineKey("m", 1, 0, "bfloat16", "0" * 32).redis_key("lmcr")
+    from fnmatch import fnmatchcase
+    assert not fnmatchcase(text, scan_pattern("lmcr"))
+    assert fnmatchcase(text, page_scan_pattern("lmcr", "org/model:v2{x}"))
+    assert not fnmatchcase(chunk, page_scan_pattern("lmcr"))
+    with pytest.raises(KeyFormatError):
+        PageKey.from_redis_key("lmcr", chunk)
+    # the digest a value carries binds the key without its prefix
+    assert key.hash_bytes != PageKey(key.model_name, "mla.page-first.float16.p64.r1x6144",
+                                     HASH).hash_bytes
+
+
+@pytest.mark.parametrize("bad", ["", "a" * 129, "ab:cd", "ab}cd", "ab{", "a b"])
+def test_page_key_refuses_a_hash_that_would_break_the_key(bad: str) -> None:
+    with pytest.raises(KeyFormatError):
+        PageKey("m", "mha.p16", bad)
+
+
+# -- the store ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("part_size", [4 * 1024 * 1024, 4096], ids=["one-value", "parts"])
+def test_round_trip_and_leading_run(backend_url: str, key_prefix: str, part_size: int) -> None:
+    st = store(backend_url, key_prefix, remote_part_size=part_size)
+    ks, data = keys(4), pages(4)
+    assert write(st, ks, data) == [True] * 4
+    assert st.present(ks) == 4
+    assert st.present([ks[0], keys(9)[8], ks[1]]) == 1  # a leading run
+    served, got = read(st, ks)
+    assert served == [True] * 4
+    assert all(torch.equal(got[i], data[i]) for i in range(4))
+    if part_size == 4096:  # 12,000 bytes: several values, written and read as one page
+        assert st.nparts >= 3
+    st.close()
+
+
+def test_windows_bound_a_call_and_keep_the_order(redis_url: str, key_prefix: str) -> None:
+    config = load_config(remote_url=redis_url, key_prefix=key_prefix)
+    st = PageStore(config, SHAPE, torch.bfloat16, 16, window_bytes=30000)  # 2 pages a window
+    ks, data = keys(5), pages(5, seed=1)
+    assert write(st, ks, data) == [True] * 5
+    served, got = read(st, ks)
+    assert served == [True] * 5 and all(torch.equal(got[i], data[i]) for i in range(5))
+
+
+def test_damage_is_a_miss_deleted_and_the_read_stops(redis_client: redis.Redis, redis_url: str,
+                                                     key_prefix: str) -> None:
+    st = store(redis_url, key_prefix)
+    ks = keys(3)
+    write(st, ks, pages(3))
+    name = ks[1].redis_key(key_prefix)
+    redis_client.setrange(name, 200, b"\x00\x01")
+    served, _ = read(st, ks)
+    assert served == [True, False, False]
+    assert redis_client.exists(name) == 0
+    assert st.metrics.get("pages.corrupt") == 1
+
+
+def test_a_missing_part_is_incomplete(redis_client: redis.Redis, redis_url: str,
+                                      key_prefix: str) -> None:
+    st = store(redis_url, key_prefix, remote_part_size=4096)
+    ks = keys(2)
+    write(st, ks, pages(2))
+    redis_client.unlink(ks[0].redis_key(key_prefix) + "#2")
+    assert st.present(ks) == 0
+    assert read(st, ks)[0] == [False, False]
+    assert st.metrics.get("pages.incomplete") == 1
+    assert redis_client.exists(ks[0].redis_key(key_prefix)) == 0
+
+
+def test_a_value_moved_under_another_key_is_foreign_and_left(
+        redis_client: redis.Redis, redis_url: str, key_prefix: str) -> None:
+    """Another page's (or geometry's) value under this key: readable, not this page's: a miss
+    left in place, counted apart from damage."""
+    st = store(redis_url, key_prefix)
+    ks = keys(2)
+    write(st, ks, pages(2))
+    first, second = (k.redis_key(key_prefix) for k in ks)
+    redis_client.set(second, redis_client.get(first))
+    assert read(st, ks)[0] == [True, False]
+    assert st.metrics.get("pages.foreign") == 1 and redis_client.exists(second) == 1
+    other = store(redis_url, key_prefix, shape=(1, 6000))  # same bytes, another shape
+    assert read(other, ks[:1])[0] == [False]
+    assert other.metrics.get("pages.foreign") == 1
+
+
+def test_integrity_key(redis_url: str, key_prefix: str, tmp_path: Path) -> None:
+    key_file, other_file = tmp_path / "a.key", tmp_path / "b.key"
+    key_file.write_bytes(b"8f3a" * 16)
+    other_file.write_bytes(b"1b2c" * 16)
+    for path in (key_file, other_file):
+        path.chmod(0o600)
+    signed = store(redis_url, key_prefix, integrity_key=f"file:{key_file}")
+    ks, data = keys(2), pages(2)
+    assert write(signed, ks, data) == [True, True]
+    served, got = read(signed, ks)
+    assert served == [True, True] and torch.equal(got[1], data[1])
+    stranger = store(redis_url, key_prefix, integrity_key=f"file:{other_file}")
+    assert read(stranger, ks)[0] == [False, False]
+    assert stranger.metrics.get("pages.unauthenticated") == 1
+    unsigned_prefix = key_prefix + "u"
+    write(store(redis_url, unsigned_prefix), ks, data)
+    strict = store(redis_url, unsigned_prefix, integrity_key=f"file:{key_file}")
+    assert read(strict, ks)[0] == [False, False]  # no MAC: not served
+
+
+def test_ttl(redis_client: redis.Redis, redis_url: str, key_prefix: str) -> None:
+    st = store(redis_url, key_prefix, remote_ttl=60, remote_part_size=4096)
+    ks = keys(1)
+    write(st, ks, pages(1))
+    ttls = [redis_client.pttl(name) for name in ks[0].part_keys(key_prefix, st.nparts)]
+    assert all(0 < t <= 60_000 for t in ttls)
+
+
+def test_clear_and_delete_touch_pages_only(redis_client: redis.Redis, redis_url: str,
+                                           key_prefix: str) -> None:
+    st = store(redis_url, key_prefix, remote_part_size=4096)
+    ks = keys(3)
+    write(st, ks, pages(3))
+    other = keys(1, geometry="mha.layer-first.bfloat16.p16.tp0of1.r6x2000")
+    write(st, other, pages(1))
+    chunk = CacheEngineKey("m", 1, 0, "bfloat16", "0" * 32).redis_key(key_prefix)
+    redis_client.set(chunk, b"x")
+    assert st.delete(ks[:1]) == 1
+    assert st.clear(ks[0].model_name, ks[0].geometry) == 2 * st.nparts
+    assert st.present(other) == 1 and redis_client.exists(chunk) == 1
+    assert st.clear() == st.nparts
+    assert redis_client.exists(chunk) == 1
+
+
+def test_server_gone_or_hung_is_a_miss(private_redis: Any, key_prefix: str) -> None:
+    """Never an exception: a refused connection, then a server that never answers (each call
+    ends at `remote_timeout`, then the health gate skips the server)."""
+    st = store(private_redis.url, key_prefix, remote_timeout=0.3, unhealthy_backoff=0.1)
+    ks = keys(2)
+    assert write(st, ks, pages(2)) == [True, True]
+    private_redis.pause()
+    try:
+        assert read(st, ks)[0] == [False, False]
+        assert write(st, keys(3)[2:], pages(1)) == [False]
+        assert st.present(ks) == 0
+    finally:
+        private_redis.resume()
+    private_redis.stop()
+    assert read(st, ks)[0] == [False, False]
+    assert st.metrics.get("pages.errors") >= 3
