@@ -142,7 +142,11 @@ class RedisHiCacheStorage(HiCacheStorage):
                     raise FingerprintError(f"cannot find the files of model {self.source!r}")
                 return model_fingerprint(folder, kv_dtype=dtype_name(dtype))
 
-            self._model = namespace(name, resolve_fingerprint(self.fingerprint_setting, compute))
+            try:
+                fingerprint = resolve_fingerprint(self.fingerprint_setting, compute)
+            except FingerprintError as exc:  # at start-up: SGLang's attach fails, naming it
+                raise ConfigError("model_fingerprint", str(exc)) from exc
+            self._model = namespace(name, fingerprint)
             logger.info("lmcache-remote: model namespace %s (model %s, model_fingerprint %s)",
                         self._model, self.source, self.fingerprint_setting)
         return self._model

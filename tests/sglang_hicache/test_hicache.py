@@ -22,15 +22,15 @@ def page_keys(client: redis.Redis, prefix: str) -> list[PageKey]:
     return [key for key, part in found if part == 0]
 
 
-def round_trip(engines: Callable[..., Engine], pages: int = 5, **spec: Any
-               ) -> tuple[Engine, Engine]:
+def round_trip(engines: Callable[..., Engine], pages: int = 5,
+               extra: dict[str, Any] | None = None, **spec: Any) -> tuple[Engine, Engine]:
     """A writer engine backs up `pages` pages; a second engine (its own controller and pools)
     prefetches them with two unknown pages after: exactly the written pages load, equal."""
-    writer = engines(**spec)
+    writer = engines(extra, **spec)
     tokens = tokens_for(pages, seed=1)
     slots = writer.fill(pages, seed=2)
     assert writer.backup(tokens, slots) == pages * PAGE
-    reader = engines(**spec)
+    reader = engines(extra, **spec)
     loaded, dest = reader.prefetch(tokens + tokens_for(2, seed=3))
     assert loaded == pages * PAGE
     assert reader.page_bytes(dest, pages) == writer.page_bytes(slots, pages)
@@ -207,3 +207,36 @@ def test_batches_of_128_pages(engines: Callable[..., Engine], redis_client: redi
     assert loaded == 130 * 64
     assert reader.page_bytes(dest, 130) == writer.page_bytes(slots, 130)
     assert len(page_keys(redis_client, key_prefix)) == 130
+
+
+def test_model_namespace_is_the_fingerprint_of_the_files(
+        engines: Callable[..., Engine], sglang: Any, redis_client: redis.Redis,
+        key_prefix: str) -> None:
+    """`model_fingerprint` auto: the keys' model field is SGLang's model folder's name and the
+    fingerprint of its files with the host pool's KV dtype, as the vLLM connector computes it
+    for the same files."""
+    from safetensors.torch import save_file
+
+    from lmcache_remote.fingerprint import model_fingerprint
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(sglang / "model.safetensors"))
+    try:
+        round_trip(engines, pages=2, extra={"model_fingerprint": "auto"})
+        expected = f"tiny-llama@{model_fingerprint(sglang, kv_dtype='bfloat16')}"
+    finally:
+        (sglang / "model.safetensors").unlink()
+    assert {k.model_name for k in page_keys(redis_client, key_prefix)} == {expected}
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"chunk_sise": 256}, "chunk_sise"),
+    ({"remote_timeout": -1}, "remote_timeout"),
+    ({"model_fingerprint": "has space"}, "model_fingerprint"),
+    ({"model_fingerprint": "auto", "model_name": "x"}, None),
+])
+def test_bad_configuration_stops_the_start(sglang: Any, redis_url: str, extra: dict[str, Any],
+                                           field: str | None) -> None:
+    """A bad extra config fails SGLang's attach with a `ConfigError` naming the field (the
+    tiny model has no weights: `auto` cannot fingerprint it and says so)."""
+    from lmcache_remote.errors import ConfigError
+    with pytest.raises(ConfigError, match=field or "model_fingerprint"):
+        Engine({"remote_url": redis_url, "model_fingerprint": "test", **extra})
