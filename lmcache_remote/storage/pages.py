@@ -15,29 +15,34 @@ trip.
 - `present(keys)`: one round trip (`TOUCH` of every value key of every page: it counts them
   as EXISTS does and refreshes their LRU clock, since a hit query promises the pages to the
   read that follows); the length of the leading run of whole pages.
-- `write(keys, fill)`: pages go out in windows of about `WINDOW_BYTES` raw bytes, one window
-  in flight at a time: ``fill(i, staging)`` copies page i into a staging tensor of the window,
-  which is encoded (raw: values are views of it, no copy) and written in one pipelined batch.
-  Per page, whether it landed; after a failed window the rest are not tried.
-- `read(keys, drain)`: the pages' values are fetched window by window, checked (header,
-  identity, lengths, every checksum) and decoded into a staging tensor, then handed to
-  ``drain(i, staging)``. The first missing or bad page ends the read (the rest are False). A
-  damaged value (checksum, length, a part gone) is deleted and counted; a value of another
-  release or another identity (foreign) is a miss left in place, counted apart.
+- `write(keys, fill)`: pages go out in windows (`WINDOW_BYTES` of raw pages over
+  `remote_write_lanes` connections at once, so about `WINDOW_BYTES` of staging in flight):
+  ``fill(i, staging)`` copies page i into the staging tensor of its window, which is encoded
+  (raw: the values are views of it, no copy) and written in one pipelined batch, each page by
+  one atomic command. Per page, whether it landed (a failed window's pages are False).
+- `read(keys, drain)`: the pages' values are fetched in windows the same way over
+  `remote_read_lanes` connections (over the bulk wire with the raw codec, received straight
+  into the staging tensor and hashed as they land), checked (header, identity, lengths, every
+  checksum, the MAC) and handed to ``drain(i, staging)``. The first missing or bad page ends
+  the read (the rest are False). A damaged value (checksum, length, a part gone) is deleted
+  and counted; a value of another release or another identity (foreign) is a miss left in
+  place, counted apart.
 - Bounds: every public call runs under one deadline, `remote_timeout` for the whole call
   (`storage.deadline`, honoured by the bulk wire on every wait), through `RemoteCaller` (one
   retry on a broken connection, a health gate that skips a dead server at once). Bytes in
-  flight: one window of staging, plus its encoded values for a compressing codec.
+  flight: about `WINDOW_BYTES` of staging, plus the encoded values for a compressing codec.
 - Errors: `present`, `write` and `read` never raise for a remote failure: they count it
   (`pages.errors`), log it (rate-limited) and answer 0 / all False / a shorter prefix.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,7 +57,15 @@ from lmcache_remote.errors import (
 from lmcache_remote.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.keys import PageKey, page_scan_pattern
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.serde import Serde, Signer, ValueHeader, check_identity, checksum, header_seal
+from lmcache_remote.serde import (
+    Serde,
+    Signer,
+    ValueHeader,
+    check_identity,
+    checksum,
+    header_nbytes,
+    header_seal,
+)
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.health import HealthGate
@@ -60,15 +73,18 @@ from lmcache_remote.storage.redis_commands import (
     IncompleteChunkError,
     byte_windows,
     chunk_write_command,
+    read_ahead,
     regroup,
     value_nbytes,
 )
+from lmcache_remote.storage.redis_tier import longest_value
 from lmcache_remote.storage.wire import BulkPipeline, Seal, supports
 
 logger = logging.getLogger(__name__)
 
 #: Raw page bytes per window of a read or a write: the staging memory one call holds at once.
 WINDOW_BYTES = 32 * 1024 * 1024
+_R = TypeVar("_R")
 #: Writes the fill of page i into the staging tensor / reads page i out of it.
 PageCopy = Callable[[int, torch.Tensor], None]
 
@@ -95,7 +111,10 @@ class PageStore:
         self.caller = RemoteCaller(config.remote_timeout, self.gate, "redis pages")
         self.timeout = config.remote_timeout
         self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
-        self._pages_per_window = max(1, window_bytes // max(1, self.page_nbytes))
+        self._window_bytes = window_bytes
+        self._lanes: ThreadPoolExecutor | None = None
+        self._lanes_lock = threading.Lock()
+        self._longest = longest_value(self.page_nbytes)
         self._log = RateLimitedLogger(logger)
         self._closed = threading.Event()
 
@@ -122,38 +141,84 @@ class PageStore:
     def write(self, keys: Sequence[PageKey], fill: PageCopy) -> list[bool]:
         """Writes the pages; per page, whether it landed (see the module contract)."""
         landed = [False] * len(keys)
-        if not keys:
-            return landed
-        staging = self._staging(min(len(keys), self._pages_per_window))
+        lanes = self.config.remote_write_lanes if self.wire is not None else 1
+        windows = self._windows(len(keys), lanes)
         with call_deadline(self.timeout):
-            for window in byte_windows([1] * len(keys), self._pages_per_window):
-                try:
-                    self._write_window(keys, window, staging, fill)
-                except BackendError as exc:
-                    self._failed("write", exc)
-                    break
+            results = self._on_lanes(windows, lambda w: self._write_window(keys, w, fill),
+                                     lanes, lambda ok: ok)
+        for window, ok in zip(windows, results, strict=False):
+            if ok:
                 landed[window.start:window.stop] = [True] * len(window)
         return landed
 
     def read(self, keys: Sequence[PageKey], drain: PageCopy) -> list[bool]:
         """Reads the pages; per page, whether it was served (a leading run, the rest False)."""
         served = [False] * len(keys)
-        if not keys:
-            return served
-        staging = self._staging(min(len(keys), self._pages_per_window))
+        lanes = self.config.remote_read_lanes if self.wire is not None else 1
+        windows = self._windows(len(keys), lanes)
         with call_deadline(self.timeout):
-            for window in byte_windows([1] * len(keys), self._pages_per_window):
-                try:
-                    values = self._fetch([keys[i] for i in window])
-                except BackendError as exc:
-                    self._failed("read", exc)
-                    return served
-                for slot, i in enumerate(window):
-                    if not self._decode(keys[i], values[slot], staging[slot]):
-                        return served
-                    drain(i, staging[slot])
-                    served[i] = True
+            results = self._on_lanes(windows, lambda w: self._read_window(keys, w, drain),
+                                     lanes, lambda good: good > 0)
+        for window, good in zip(windows, results, strict=False):
+            served[window.start:window.start + good] = [True] * good
+            if good < len(window):
+                break
         return served
+
+    def _windows(self, count: int, lanes: int) -> list[range]:
+        """Consecutive runs of page indexes, each about ``WINDOW_BYTES / lanes`` of pages (at
+        least one page): with every lane busy, a call holds about one `window_bytes`."""
+        per_window = max(1, self._window_bytes // max(1, lanes) // max(1, self.page_nbytes))
+        return byte_windows([1] * count, per_window)
+
+    def _on_lanes(self, windows: list[range], work: Callable[[range], _R], lanes: int,
+                  go_on: Callable[[_R], bool]) -> list[_R]:
+        """``work(window)`` for the windows, in order, on up to ``lanes`` connections at once
+        (each task in a copy of this context: the call's deadline goes with it). One at a time,
+        it stops at the first result that ``go_on`` refuses; on lanes, windows not started
+        by then are cancelled. The results of the windows done, in order."""
+        if lanes <= 1 or len(windows) <= 1:
+            results = []
+            for window in windows:
+                results.append(work(window))
+                if not go_on(results[-1]):
+                    break
+            return results
+        pool = self._lane_pool(lanes)
+        futures = [pool.submit(contextvars.copy_context().run, work, w) for w in windows]
+        results, stopped = [], False
+        for future in futures:
+            if stopped:
+                future.cancel()
+                continue
+            results.append(future.result())
+            stopped = not go_on(results[-1])
+        for future in futures:  # every started window ends before the call returns
+            if not future.cancelled():
+                future.exception()
+        return results
+
+    def _lane_pool(self, lanes: int) -> ThreadPoolExecutor:
+        with self._lanes_lock:
+            if self._lanes is None:
+                self._lanes = ThreadPoolExecutor(
+                    max(lanes, self.config.remote_read_lanes, self.config.remote_write_lanes),
+                    thread_name_prefix="lmcr_pages")
+            return self._lanes
+
+    def _read_window(self, keys: Sequence[PageKey], window: range, drain: PageCopy) -> int:
+        """The number of leading pages of ``window`` read, checked and drained."""
+        staging = self._staging(len(window))
+        try:
+            values, digests = self._fetch([keys[i] for i in window], staging)
+        except BackendError as exc:
+            self._failed("read", exc)
+            return 0
+        for slot, i in enumerate(window):
+            if not self._decode(keys[i], values[slot], staging[slot], digests[slot]):
+                return slot
+            drain(i, staging[slot])
+        return len(window)
 
     # -- housekeeping -----------------------------------------------------------------------
 
@@ -184,6 +249,10 @@ class PageStore:
         self._closed.set()
         self.gate.close()
         self.serde.close()
+        with self._lanes_lock:
+            lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.shutdown(wait=True)
         try:
             self.client.close()
         except Exception as exc:  # noqa: BLE001 - closing must not fail a shutdown
@@ -206,8 +275,18 @@ class PageStore:
 
         return self.caller.call(op)
 
-    def _write_window(self, keys: Sequence[PageKey], window: range, staging: torch.Tensor,
-                      fill: PageCopy) -> None:
+    def _write_window(self, keys: Sequence[PageKey], window: range, fill: PageCopy) -> bool:
+        """Fills, encodes and writes one window of pages in one batch; whether it landed."""
+        staging = self._staging(len(window))
+        try:
+            self._send_window(keys, window, staging, fill)
+        except BackendError as exc:
+            self._failed("write", exc)
+            return False
+        return True
+
+    def _send_window(self, keys: Sequence[PageKey], window: range, staging: torch.Tensor,
+                     fill: PageCopy) -> None:
         commands: list[tuple[Any, ...]] = []
         seals: list[Seal | None] = []
         nbytes = 0
@@ -235,27 +314,64 @@ class PageStore:
         self.metrics.inc("pages.written", len(window))
         self.metrics.inc("pages.written_bytes", nbytes)
 
-    def _fetch(self, keys: Sequence[PageKey]) -> list[list[Any]]:
+    def _fetch(self, keys: Sequence[PageKey], staging: torch.Tensor
+               ) -> tuple[list[list[Any]], list[list[int | None]]]:
+        """GETs every value of the pages in one pipeline: per page its replies and, per reply,
+        its part's XXH3-64 where the receive loop computed it (else None). Over the bulk wire
+        with the raw codec each value lands in its place up front (value 0's header in a
+        scratch buffer, every part's bytes in the page's staging slot), read and hashed
+        without the GIL; a value of any other length lands in a fresh buffer and fails its
+        checks. Otherwise the replies are fresh buffers, decoded afterwards."""
         key_lists = [k.part_keys(self.prefix, self.nparts) for k in keys]
-        replies = self._run([("GET", name) for names in key_lists for name in names])
-        return regroup(replies, key_lists)
+        flat = [("GET", name) for names in key_lists for name in names]
+        digests: list[int | None] = [None] * len(flat)
+        wire = self.wire
+        if wire is None or self.serde.codec.codec_id != 0:
+            replies = self._run(flat)
+            return regroup(replies, key_lists), regroup(digests, key_lists)
+        size = self.serde.part_size_for(self.page_nbytes)
+        head = header_nbytes(self.nparts, self.integrity is not None)
+        heads = memoryview(bytearray(head * len(keys)))
+        sink: list[Any] = []
+        sizes: list[int] = []
+        for slot in range(len(keys)):
+            raw = _bytes_of(staging[slot])
+            for p in range(self.nparts):
+                segment = raw[p * size:min(self.page_nbytes, (p + 1) * size)]
+                sink.append([heads[slot * head:(slot + 1) * head], segment] if p == 0
+                            else segment)
+                sizes.append(len(segment) + (head if p == 0 else 0))
 
-    def _decode(self, key: PageKey, values: list[Any], out: torch.Tensor) -> bool:
-        """Checks one page's values and decodes them into ``out``; False for a miss."""
+        def op() -> list[Any]:
+            return wire.execute(flat, sink, reply_sizes=sizes,
+                                inflight_bytes=read_ahead([self.page_nbytes]),
+                                digests=digests, max_bulk=self._longest)
+
+        replies = self.caller.call(op)
+        return regroup(replies, key_lists), regroup(digests, key_lists)
+
+    def _decode(self, key: PageKey, values: list[Any], out: torch.Tensor,
+                digests: list[int | None]) -> bool:
+        """Checks one page's values and decodes them into ``out`` (values received in place
+        there are only checked); False for a miss."""
         if values[0] is None:
             self.metrics.inc("pages.misses")
             return False
         try:
-            header = self.serde.read_header(values[0])
+            head = values[0]
+            header = self.serde.read_header(head[0] if isinstance(head, list) else head)
             if header.num_tokens != self.page_tokens:
                 raise ForeignEntryError(f"value holds {header.num_tokens} tokens, a page "
                                         f"here is {self.page_tokens}")
             check_identity(header, key.hash_bytes, self.page_shape, self.dtype)
-            values = self._all_parts(key, header, values)
+            fetched = self._all_parts(key, header, values)
+            if fetched is not values:  # fetched again: the loop's digests are not theirs
+                values, digests = fetched, [None] * len(fetched)
+            stored = [_stored_part(header, i, v) for i, v in enumerate(values)]
             if self.integrity is not None:
-                self._authenticate(key, header, values)
-            self.serde.decode_into(header, values, out, key.hash_bytes, self.page_shape,
-                                   self.dtype)
+                self._authenticate(key, header, stored, digests)
+            self.serde.decode_parts_into(header, stored, out, key.hash_bytes, self.page_shape,
+                                         self.dtype, digests=digests)
         except ForeignEntryError as exc:
             kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
             self.metrics.inc(f"pages.{kind}")
@@ -269,7 +385,8 @@ class PageStore:
             self._failed("read", exc)
             return False
         self.metrics.inc("pages.hits")
-        self.metrics.inc("pages.read_bytes", sum(len(memoryview(v)) for v in values))
+        self.metrics.inc("pages.read_bytes",
+                         sum(header.value_nbytes(i) for i in range(len(values))))
         return True
 
     def _all_parts(self, key: PageKey, header: ValueHeader, values: list[Any]) -> list[Any]:
@@ -293,17 +410,21 @@ class PageStore:
         name = key.relative_key()
         return lambda signed, parts: integrity.tag(name, signed, parts)
 
-    def _authenticate(self, key: PageKey, header: ValueHeader, values: list[Any]) -> None:
+    def _authenticate(self, key: PageKey, header: ValueHeader, stored: Sequence[memoryview],
+                      digests: Sequence[int | None]) -> None:
+        """With an `integrity_key`: `UnauthenticatedEntryError` unless the value's MAC verifies
+        for this key (prefix aside); a failed MAC over a part that also fails its checksum is
+        damage (`CorruptEntryError`), as in the chunk tier."""
         assert self.integrity is not None
         if header.tag is None:
             raise UnauthenticatedEntryError("written without the integrity key (no MAC)")
-        stored = [memoryview(v)[header.header_nbytes:] if i == 0 else memoryview(v)
-                  for i, v in enumerate(values)]
         if self.integrity.verify(key.relative_key(), header.signed, stored, header.tag):
             return
         for i, view in enumerate(stored):
             length, expected = header.parts[i]
-            if len(view) != length or checksum(view) != expected:
+            known = digests[i] if i < len(digests) else None
+            if len(view) != length or (known if known is not None else checksum(view)
+                                       ) != expected:
                 raise CorruptEntryError(f"part {i} fails its checksum (and the MAC)")
         raise UnauthenticatedEntryError("its MAC does not verify under this integrity key")
 
@@ -319,6 +440,27 @@ class PageStore:
     def _failed(self, what: str, exc: BaseException) -> None:
         self.metrics.inc("pages.errors")
         self._log.warning(f"{what}-failed", "page %s failed: %s", what, exc)
+
+
+def _stored_part(header: ValueHeader, index: int, value: Any) -> memoryview:
+    """The stored bytes of part ``index`` (value 0 without its header), length-checked."""
+    if isinstance(value, list):  # value 0 received as [header, part 0 in place]
+        if len(value[0]) != header.header_nbytes:
+            raise CorruptEntryError(f"value 0 header is {len(value[0])} bytes, expected "
+                                    f"{header.header_nbytes}")
+        return memoryview(value[1])
+    if value is None or isinstance(value, (int, Exception)):
+        raise CorruptEntryError(f"value {index} is not a bulk string")
+    view = memoryview(value).cast("B")
+    if len(view) != header.value_nbytes(index):
+        raise CorruptEntryError(f"value {index} is {len(view)} bytes, expected "
+                                f"{header.value_nbytes(index)}")
+    return view[header.header_nbytes:] if index == 0 else view
+
+
+def _bytes_of(page: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as a flat writable memoryview, without a copy."""
+    return page.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _unlinker(client: Any, names: list[Any]) -> Callable[[], Any]:

@@ -88,6 +88,7 @@ class Engine:
     size: int = 1024
     page: int = PAGE
     zero_copy: bool = True
+    storage: str = "dynamic"  # or one of SGLang's own backends ("file"), configured by `extra`
     controller: Any = field(init=False)
     host: Any = field(init=False)
 
@@ -123,10 +124,12 @@ class Engine:
                          else dist.group.WORLD)
         self.controller = HybridCacheController(
             allocator, group, self.page, self.tp_group, threading.Event(),
-            storage_backend="dynamic", model_name=str(_STATE["model_dir"]),
+            storage_backend=self.storage, model_name=str(_STATE["model_dir"]),
             storage_backend_extra_config=self.extra_config(), prefetch_threshold=self.page)
 
     def extra_config(self) -> dict[str, Any]:
+        if self.storage != "dynamic":
+            return dict(self.extra)
         return {**BACKEND, "interface_v1": int(self.zero_copy), **self.extra}
 
     def reattach(self) -> None:
@@ -134,7 +137,7 @@ class Engine:
         /hicache/storage-backend)."""
         self.controller.detach_storage_backend()
         self.controller.attach_storage_backend(
-            "dynamic", prefetch_threshold=self.page, model_name=str(_STATE["model_dir"]),
+            self.storage, prefetch_threshold=self.page, model_name=str(_STATE["model_dir"]),
             storage_backend_extra_config=self.extra_config(),
             host_pools=list(self.controller.mem_pool_host.entries))
 
