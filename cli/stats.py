@@ -80,7 +80,20 @@ def _render(cx: CliContext, result: dict[str, Any]) -> RenderableType:
         f"unauthenticated {e['remote_unauthenticated_chunks']} chunks); "
         f"duplicate writes skipped {e['duplicate_writes_skipped']}",
     ]
-    return Group(t, *(Text(line) for line in lines), *_served(e.get("by_model", {})))
+    return Group(t, *_pages(result.get("pages", {})), *(Text(line) for line in lines),
+                 *_served(e.get("by_model", {})))
+
+
+def _pages(pages: dict[str, Any]) -> list[RenderableType]:
+    """The SGLang HiCache backend's pages per model and geometry, when there are any."""
+    if not pages.get("groups"):
+        return []
+    t = table("model", "geometry", "pages", "bytes", title="SGLang HiCache pages")
+    for g in pages["groups"]:
+        t.add_row(g["model_name"], g["geometry"], str(g["entries"]), size(g["bytes"]))
+    t.add_section()
+    t.add_row("total", "", str(pages["entries"]), size(pages["bytes"]))
+    return [t]
 
 
 def _served(by_model: dict[str, dict[str, Any]]) -> list[RenderableType]:

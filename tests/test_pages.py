@@ -206,3 +206,25 @@ def test_server_gone_or_hung_is_a_miss(private_redis: Any, key_prefix: str) -> N
     private_redis.stop()
     assert read(st, ks)[0] == [False, False]
     assert st.metrics.get("pages.errors") >= 3
+
+
+def test_stats_count_pages_apart_from_chunks(redis_client: redis.Redis, redis_url: str,
+                                             key_prefix: str) -> None:
+    """`lmcache-remote stats` (the admin library and the CLI): pages per model and geometry,
+    with the bytes of all their values; the chunk groups do not count them."""
+    from cliutil import run, run_json
+
+    st = store(redis_url, key_prefix, remote_part_size=4096)
+    write(st, keys(3), pages(3))
+    other = keys(1, geometry="mla.page-first.bfloat16.p16.r1x12000")
+    write(st, other, pages(1))
+    out = run_json("stats", "--url", redis_url, "--prefix", key_prefix)
+    assert out["entries"] == 0 and out["groups"] == []
+    values = list(redis_client.scan_iter(match=page_scan_pattern(key_prefix)))
+    assert out["pages"]["entries"] == 4
+    assert out["pages"]["bytes"] == sum(redis_client.strlen(k) for k in values)
+    assert [(g["geometry"], g["entries"]) for g in out["pages"]["groups"]] == [
+        ("mha.page-first.bfloat16.p16.tp0of1.r2x6000", 3),
+        ("mla.page-first.bfloat16.p16.r1x12000", 1)]
+    human = run("stats", "--url", redis_url, "--prefix", key_prefix)
+    assert human.exit_code == 0 and "SGLang HiCache pages" in human.stdout

@@ -4,7 +4,8 @@
 timeouts, no retries, TLS options) and offers:
 
 - `ping()` -> `ServerInfo`: name and version (Redis or Valkey), latency, eviction warnings;
-- `stats()` -> `{"entries", "bytes", "groups", "redis", "engines"}` (see `docs/cli.md`);
+- `stats()` -> `{"entries", "bytes", "groups", "pages", "redis", "engines"}` (see
+  `docs/cli.md`; `pages`: the SGLang backend's pages per model and geometry);
 - `entries(filter, limit)` -> `Entry` per chunk, streamed; `inspect(key)` -> one decoded entry;
 - `plan_eviction(filter)` / `evict(filter)` -> `EvictResult(matched, deleted, bytes)`;
 - `export(path, filter)`, `verify(path)`, `import_(path, skip_existing=...)`: snapshot files.
@@ -32,7 +33,7 @@ from lmcache_remote.admin.fleet import fleet_stats
 from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.admin.server import ServerInfo, server_info
 from lmcache_remote.admin.snapshot import SnapshotError, SnapshotInfo
-from lmcache_remote.admin.stats import GroupStats, group_stats, memory_info
+from lmcache_remote.admin.stats import GroupStats, group_stats, memory_info, page_stats
 from lmcache_remote.admin.transfer import (
     TransferResult,
     export_snapshot,
@@ -128,6 +129,7 @@ class CacheAdmin:
     def stats(self, flt: EntryFilter | None = None, progress: Progress = None) -> dict[str, Any]:
         with _translated(self.url):
             groups = group_stats(self.client, self.prefix, flt, progress)
+            pages = page_stats(self.client, self.prefix, progress) if flt is None else []
             mem = memory_info(self.client)
             engines = fleet_stats(self.client, self.prefix)
         return {
@@ -135,6 +137,9 @@ class CacheAdmin:
             "entries": sum(g.entries for g in groups),
             "bytes": sum(g.bytes for g in groups),
             "groups": [vars(g) for g in groups],
+            "pages": {"entries": sum(g.entries for g in pages),
+                      "bytes": sum(g.bytes for g in pages),
+                      "groups": [vars(g) for g in pages]},
             "redis": mem,
             "engines": engines,
         }

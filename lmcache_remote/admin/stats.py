@@ -5,6 +5,9 @@ Counting is key-wise: every key matching the chunk pattern under the prefix is p
 entry of its group, and the length of every value (`STRLEN`, pipelined per SCAN page) is added
 to its group's bytes. Memory stays constant: one SCAN page at a time, plus one small dict per
 group. Keys outside the prefix, and the engines' published-counter hashes, never match.
+
+`page_stats` counts the SGLang backend's pages (`{prefix}:hc1:...`, `keys.PageKey`) the same
+way, per (model, geometry).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 
 from lmcache_remote.admin.filters import EntryFilter
 from lmcache_remote.admin.notouch import ReadPipeline
+from lmcache_remote.errors import KeyFormatError
+from lmcache_remote.keys import page_scan_pattern, split_page_part_key
 from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches, scan_nodes
 
 GroupKey = tuple[str, int, int, str]
@@ -44,6 +49,40 @@ def group_stats(client: Any, prefix: str, flt: EntryFilter | None = None,
         for (_, key, index), length in zip(parsed, reads.execute(), strict=True):
             gk = (key.model_name, key.world_size, key.worker_id, key.dtype)
             group = groups.get(gk) or groups.setdefault(gk, GroupStats(*gk))
+            group.entries += int(index == 0 and int(length) > 0)
+            group.bytes += int(length)
+        if progress is not None:
+            progress(len(raw_keys))
+    return [groups[k] for k in sorted(groups)]
+
+
+@dataclasses.dataclass
+class PageGroupStats:
+    model_name: str
+    geometry: str
+    entries: int = 0
+    bytes: int = 0
+
+
+def page_stats(client: Any, prefix: str, progress: Callable[[int], None] | None = None,
+               count: int = DEFAULT_COUNT) -> list[PageGroupStats]:
+    """One `PageGroupStats` per (model, geometry) of the SGLang backend's pages under the
+    prefix: pages (their first values) and the bytes of all their values; sorted."""
+    groups: dict[tuple[str, str], PageGroupStats] = {}
+    for node, raw_keys in scan_batches(client, page_scan_pattern(prefix), count):
+        parsed = []
+        for raw in raw_keys:
+            try:
+                key, index = split_page_part_key(prefix, raw)
+            except KeyFormatError:
+                continue
+            parsed.append((raw, key, index))
+        reads = ReadPipeline(node)  # STRLEN would refresh every key's LRU clock
+        for raw, _, _ in parsed:
+            reads.pipe.strlen(raw)
+        for (_, key, index), length in zip(parsed, reads.execute(), strict=True):
+            gk = (key.model_name, key.geometry)
+            group = groups.get(gk) or groups.setdefault(gk, PageGroupStats(*gk))
             group.entries += int(index == 0 and int(length) > 0)
             group.bytes += int(length)
         if progress is not None:
