@@ -41,6 +41,8 @@ chunks: SGLang hashes pages (SHA-256, page by page) where the connector hashes 2
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -59,10 +61,12 @@ from lmcache_remote.fingerprint import (
     namespace,
     resolve_fingerprint,
 )
-from lmcache_remote.keys import PageKey
+from lmcache_remote.keys import PageKey, engine_stats_key
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.reporting import new_engine_id
 from lmcache_remote.serde import dtype_name
 from lmcache_remote.storage.pages import PageStore
+from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,19 @@ _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1",
                 "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                 "hicache_storage_pass_prefix_keys", "tp_lcm_size")
 _GB = 1e9
+#: Fields this backend publishes for `lmcache-remote stats` (`{prefix}:engines:{id}`), and the
+#: counters they copy: the fleet view's names, in tokens (pages x page size) and pages.
+PUBLISHED = {
+    "lookup_requests": "sglang.lookup_requests", "lookup_tokens": "sglang.lookup_tokens",
+    "hit_tokens": "sglang.hit_tokens", "retrieve_tokens": "sglang.retrieve_tokens",
+    "retrieved_tokens": "sglang.retrieved_tokens", "remote_hit_tokens": "sglang.retrieved_tokens",
+    "store_tokens": "sglang.store_tokens", "stored_tokens": "sglang.stored_tokens",
+    "remote_errors": "pages.errors", "remote_hit_chunks": "pages.hits",
+    "remote_read_bytes": "pages.read_bytes", "remote_written_bytes": "pages.written_bytes",
+    "remote_incomplete_chunks": "pages.incomplete", "remote_corrupt_chunks": "pages.corrupt",
+    "remote_foreign_chunks": "pages.foreign",
+    "remote_unauthenticated_chunks": "pages.unauthenticated",
+}
 
 
 class RedisHiCacheStorage(HiCacheStorage):
@@ -100,6 +117,9 @@ class RedisHiCacheStorage(HiCacheStorage):
                               f"{self.source!r} to fingerprint them: set model_fingerprint to "
                               "a string that names these weights, or to 'off'")
         self.metrics = Metrics()
+        self.engine_id = new_engine_id()
+        self._publisher: StatsPublisher | None = None
+        self._started = time.time()
         self._log = RateLimitedLogger(logger)
         self._lock = threading.Lock()
         self._model: str | None = None
@@ -131,6 +151,34 @@ class RedisHiCacheStorage(HiCacheStorage):
             self._pages_geometry = self._geometry(f"r{regions.count}x{regions.nbytes}")
             logger.info("lmcache-remote SGLang pages: %s:hc1:%s:%s:{page hash}",
                         self.config.key_prefix, model, self._pages_geometry)
+        self._start_publisher()
+
+    def _start_publisher(self) -> None:
+        """Publishes this backend's counters for `lmcache-remote stats` (fleet stats), unless
+        `stats_publish_interval` is null; on its own thread, never in SGLang's way."""
+        interval = self.config.stats_publish_interval
+        store = self._pages or self._flat_store()
+        if interval is None or store is None or self._publisher is not None:
+            return
+        key = engine_stats_key(self.config.key_prefix, self.engine_id)
+        self._publisher = StatsPublisher(store, key, interval, self.published_fields,
+                                         self.metrics)
+
+    def published_fields(self) -> dict[str, FieldValue]:
+        """The hash this backend publishes: its identity (role `sglang`) and counters."""
+        cfg, pool = self.storage_config, self.mem_pool_host
+        counters = self.metrics.counters()
+        fields: dict[str, FieldValue] = {
+            "engine_id": self.engine_id, "role": "sglang", "model_name": self._model or "?",
+            "world_size": int(getattr(cfg, "tp_size", 1) or 1),
+            "worker_id": int(getattr(cfg, "tp_rank", 0) or 0),
+            "dtype": dtype_name(pool.dtype) if pool is not None else "?",
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "started_at": round(self._started, 3), "updated_at": round(time.time(), 3)}
+        for field, name in PUBLISHED.items():
+            value = counters.get(name, 0)
+            fields[field] = int(value) if float(value).is_integer() else value
+        return fields
 
     def _model_namespace(self, dtype: torch.dtype) -> str:
         if self._model is None:
@@ -186,7 +234,9 @@ class RedisHiCacheStorage(HiCacheStorage):
             if store is None:
                 return 0
             page_keys = self._keys(keys, geometry)
-            return store.present(page_keys) if page_keys else 0
+            found = store.present(page_keys) if page_keys else 0
+            self._count("lookup", len(keys), found, store.page_tokens)
+            return found
         except Exception as exc:  # noqa: BLE001 - never into SGLang
             return self._error("exists", exc, 0)
 
@@ -203,6 +253,7 @@ class RedisHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # noqa: BLE001
             return self._error("get", exc, [False] * len(keys))
         self._note("prefetch", sum(served), start, store.page_nbytes)
+        self._count("retrieve", len(keys), sum(served), store.page_tokens)
         return served
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -218,6 +269,7 @@ class RedisHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # noqa: BLE001
             return self._error("set", exc, [False] * len(keys))
         self._note("backup", sum(landed), start, store.page_nbytes)
+        self._count("store", len(keys), sum(landed), store.page_tokens)
         return landed
 
     # -- the generic interface (interface_v1 off): flat page tensors ------------------------
@@ -250,7 +302,8 @@ class RedisHiCacheStorage(HiCacheStorage):
                 targets[i].view(-1).copy_(page.view(-1))
                 out[i] = targets[i]
 
-            store.read(page_keys, drain)
+            served = store.read(page_keys, drain)
+            self._count("retrieve", len(keys), sum(served), store.page_tokens)
         except Exception as exc:  # noqa: BLE001
             return self._error("get", exc, [None] * len(keys))
         self._note("prefetch", sum(x is not None for x in out), start,
@@ -275,6 +328,7 @@ class RedisHiCacheStorage(HiCacheStorage):
                 page.view(-1).copy_(pages[i].reshape(-1))
 
             landed = store.write(page_keys, fill)
+            self._count("store", len(keys), sum(landed), store.page_tokens)
         except Exception as exc:  # noqa: BLE001
             return self._error("set", exc, False)
         self._note("backup", sum(landed), start, store.page_nbytes)
@@ -319,11 +373,28 @@ class RedisHiCacheStorage(HiCacheStorage):
         return self.metrics.snapshot()
 
     def close(self) -> None:
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.close()  # a last publish, bounded by remote_timeout
         for store in (self._pages, self._flat):
             if store is not None:
                 store.close()
 
     # -- internals --------------------------------------------------------------------------
+
+    def _count(self, what: str, asked: int, done: int, page_tokens: int) -> None:
+        """The fleet counters of one call, in tokens (pages x page size)."""
+        m = self.metrics
+        if what == "lookup":
+            m.inc("sglang.lookup_requests")
+            m.inc("sglang.lookup_tokens", asked * page_tokens)
+            m.inc("sglang.hit_tokens", done * page_tokens)
+        elif what == "retrieve":
+            m.inc("sglang.retrieve_tokens", asked * page_tokens)
+            m.inc("sglang.retrieved_tokens", done * page_tokens)
+        else:
+            m.inc("sglang.store_tokens", asked * page_tokens)
+            m.inc("sglang.stored_tokens", done * page_tokens)
 
     def _note(self, what: str, pages: int, start: float, page_nbytes: int) -> None:
         seconds = max(time.perf_counter() - start, 1e-9)

@@ -18,11 +18,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
+from lmcache_remote.config import CacheConfig
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.client import translate
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.health import HealthGate
 
 logger = logging.getLogger(__name__)
 FieldValue = str | int | float
@@ -34,10 +35,19 @@ def publish_ttl(interval: float) -> int:
     return int(max(MIN_TTL, 3 * interval) + 0.999)
 
 
+class Remote(Protocol):
+    """What a publisher needs of a remote store: a `RedisTier`, or the SGLang backend's
+    `PageStore`."""
+
+    config: CacheConfig
+    gate: HealthGate
+    client: Any
+
+
 class StatsPublisher:
     """Publishes `fields()` into the hash `key` every `interval` seconds, on a daemon thread."""
 
-    def __init__(self, remote: RedisTier, key: str, interval: float,
+    def __init__(self, remote: Remote, key: str, interval: float,
                  fields: Callable[[], Mapping[str, FieldValue]], metrics: Metrics,
                  *, threaded: bool = True) -> None:
         self._remote = remote

@@ -240,3 +240,21 @@ def test_bad_configuration_stops_the_start(sglang: Any, redis_url: str, extra: d
     from lmcache_remote.errors import ConfigError
     with pytest.raises(ConfigError, match=field or "model_fingerprint"):
         Engine({"remote_url": redis_url, "model_fingerprint": "test", **extra})
+
+
+def test_fleet_stats(engines: Callable[..., Engine], redis_url: str, key_prefix: str) -> None:
+    """Each backend publishes its counters (role `sglang`) like an engine does, so
+    `lmcache-remote stats` shows the SGLang fleet's hit rate: the reader asked for 7 pages
+    (5 written, 2 unknown) and found 5."""
+    from lmcache_remote import load_config
+    from lmcache_remote.admin import CacheAdmin
+
+    writer, reader = round_trip(engines)
+    writer.close()  # SGLang's detach: the backend publishes a last time
+    reader.close()
+    with CacheAdmin(load_config(remote_url=redis_url, key_prefix=key_prefix)) as admin:
+        fleet = admin.stats()["engines"]
+    assert fleet["count"] == 2 and fleet["models"] == ["tiny-llama@test"]
+    assert (fleet["lookup_tokens"], fleet["hit_tokens"]) == (7 * PAGE, 5 * PAGE)
+    assert fleet["stored_tokens"] == fleet["retrieved_tokens"] == 5 * PAGE
+    assert fleet["remote_written_bytes"] > 5 * 2 * 1536
