@@ -228,3 +228,27 @@ def test_stats_count_pages_apart_from_chunks(redis_client: redis.Redis, redis_ur
         ("mla.page-first.bfloat16.p16.r1x12000", 1)]
     human = run("stats", "--url", redis_url, "--prefix", key_prefix)
     assert human.exit_code == 0 and "SGLang HiCache pages" in human.stdout
+
+
+def test_evict_pages(redis_client: redis.Redis, redis_url: str, key_prefix: str) -> None:
+    """`lmcache-remote evict --pages`: one model namespace's pages (every value), or all
+    pages with --all; chunks and other models' pages stay; --dry-run deletes nothing."""
+    from cliutil import run, run_json
+
+    st = store(redis_url, key_prefix, remote_part_size=4096)
+    write(st, keys(3), pages(3))
+    theirs = [PageKey("other", "mha.p16", f"{i:064x}") for i in range(2)]
+    write(st, theirs, pages(2))
+    chunk = CacheEngineKey("org/model:v2@f1-00", 1, 0, "bfloat16", "0" * 32)
+    redis_client.set(chunk.redis_key(key_prefix), b"x")
+    base = ("evict", "--url", redis_url, "--prefix", key_prefix, "--pages")
+    plan = run_json(*base, "--model", "org/model:v2@f1-00", "--dry-run")
+    assert (plan["matched"], plan["deleted"]) == (3, 0) and plan["bytes"] > 3 * 12000
+    done = run_json(*base, "--model", "org/model:v2@f1-00", "--yes")
+    assert (done["matched"], done["deleted"], done["bytes"]) == (3, 3, plan["bytes"])
+    assert st.present(keys(3)) == 0 and st.present(theirs) == 2
+    assert redis_client.exists(chunk.redis_key(key_prefix)) == 1
+    assert not [k for k in redis_client.scan_iter(match=f"{key_prefix}:hc1:org*")]
+    assert run_json(*base, "--all", "--yes")["deleted"] == 2
+    assert st.present(theirs) == 0 and redis_client.exists(chunk.redis_key(key_prefix)) == 1
+    assert run(*base, "--dtype", "bfloat16", "--yes").exit_code == 2

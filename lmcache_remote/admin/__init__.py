@@ -8,6 +8,7 @@ timeouts, no retries, TLS options) and offers:
   `docs/cli.md`; `pages`: the SGLang backend's pages per model and geometry);
 - `entries(filter, limit)` -> `Entry` per chunk, streamed; `inspect(key)` -> one decoded entry;
 - `plan_eviction(filter)` / `evict(filter)` -> `EvictResult(matched, deleted, bytes)`;
+  `plan_page_eviction(model)` / `evict_pages(model)` the same for the SGLang backend's pages;
 - `export(path, filter)`, `verify(path)`, `import_(path, skip_existing=...)`: snapshot files.
 
 It touches keys under `config.key_prefix` only and lists keys with SCAN through
@@ -27,7 +28,13 @@ from typing import Any
 import redis
 
 from lmcache_remote.admin.entries import Entry, iter_entries, load_entries
-from lmcache_remote.admin.evict import EvictResult, evict, plan_eviction
+from lmcache_remote.admin.evict import (
+    EvictResult,
+    evict,
+    evict_pages,
+    plan_eviction,
+    plan_page_eviction,
+)
 from lmcache_remote.admin.filters import EntryFilter, parse_duration, prompt_chunk_hashes
 from lmcache_remote.admin.fleet import fleet_stats
 from lmcache_remote.admin.notouch import ReadPipeline
@@ -183,6 +190,18 @@ class CacheAdmin:
     def evict(self, flt: EntryFilter, progress: Progress = None) -> EvictResult:
         with _translated(self.url):
             return evict(self.client, self.prefix, flt, progress)
+
+    def plan_page_eviction(self, model_name: str | None = None,
+                           progress: Progress = None) -> EvictResult:
+        """The SGLang backend's pages `evict_pages` would delete (all, or one model's)."""
+        with _translated(self.url):
+            return plan_page_eviction(self.client, self.prefix, model_name, progress)
+
+    def evict_pages(self, model_name: str | None = None,
+                    progress: Progress = None) -> EvictResult:
+        """Deletes the SGLang backend's pages under the prefix (all, or one model's)."""
+        with _translated(self.url):
+            return evict_pages(self.client, self.prefix, model_name, progress)
 
     # -- snapshots ----------------------------------------------------------------------------
 
