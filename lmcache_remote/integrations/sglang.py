@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -109,7 +110,7 @@ class RedisHiCacheStorage(HiCacheStorage):
         self.config: CacheConfig = load_config(extra.pop("config_file", None), **extra)
         if self.config.remote_url is None:
             raise ConfigError("remote_url", "the SGLang backend needs a Redis/Valkey URL")
-        self.source = str(getattr(storage_config, "model_name", None) or "")
+        self.source = _model_source(storage_config)
         if not self.source and self.model_name_setting is None:
             raise ConfigError("model_name", "SGLang named no model: set model_name")
         if fingerprint == "auto" and model_folder(self.source) is None:
@@ -205,6 +206,9 @@ class RedisHiCacheStorage(HiCacheStorage):
         mla = bool(getattr(cfg, "is_mla_model", False))
         fields = ["mla" if mla else "mha", str(pool.layout).replace("_", "-"),
                   dtype_name(pool.dtype), f"p{pool.page_size}"]
+        tag = getattr(pool, "storage_format_tag", None)
+        if tag:  # a host pool with a page format of its own (SGLang tags its model name)
+            fields.append(re.sub(r"[^a-z0-9-]+", "-", str(tag).lower()))
         if not mla:
             fields.append(f"tp{cfg.tp_rank}of{cfg.tp_size}")
         for name, rank, size in (("pp", "pp_rank", "pp_size"), ("cp", "attn_cp_rank",
@@ -456,6 +460,21 @@ class _Regions:
         src = page.view(-1).view(torch.uint8).view(self.count, self.nbytes)
         for r, region in enumerate(regions):
             region.copy_(src[r])
+
+
+def _model_source(storage_config: Any) -> str:
+    """Where the model comes from: SGLang's `--model-path` (its server arguments, published
+    in every scheduler process), else the served model name the storage config carries
+    (which SGLang suffixes with a host pool's format tag)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        path = getattr(get_server_args(), "model_path", None)
+        if path:
+            return str(path)
+    except Exception:  # noqa: BLE001 - not published (a bare controller): the config's name
+        pass
+    return str(getattr(storage_config, "model_name", None) or "")
 
 
 def _optional_str(value: Any, name: str) -> str | None:
