@@ -105,6 +105,21 @@ def test_windows_bound_a_call_and_keep_the_order(redis_url: str, key_prefix: str
     assert served == [True] * 5 and all(torch.equal(got[i], data[i]) for i in range(5))
 
 
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_a_missing_page_cuts_the_read_on_every_lane(redis_client: redis.Redis, redis_url: str,
+                                                    key_prefix: str, lanes: int) -> None:
+    """Windows of one page on `lanes` connections at once: the pages after a missing one
+    are never served, whichever window finished first."""
+    config = load_config(remote_url=redis_url, key_prefix=key_prefix, remote_read_lanes=lanes)
+    st = PageStore(config, SHAPE, torch.bfloat16, 16, window_bytes=12000 * lanes)
+    ks, data = keys(6), pages(6, seed=2)
+    assert write(st, ks, data) == [True] * 6
+    redis_client.unlink(ks[2].redis_key(key_prefix))
+    served, got = read(st, ks)
+    assert served == [True, True, False, False, False, False]
+    assert sorted(got)[:2] == [0, 1] and torch.equal(got[1], data[1])
+
+
 def test_damage_is_a_miss_deleted_and_the_read_stops(redis_client: redis.Redis, redis_url: str,
                                                      key_prefix: str) -> None:
     st = store(redis_url, key_prefix)

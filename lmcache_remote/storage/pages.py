@@ -24,9 +24,10 @@ trip.
   `remote_read_lanes` connections (over the bulk wire with the raw codec, received straight
   into the staging tensor and hashed as they land), checked (header, identity, lengths, every
   checksum, the MAC) and handed to ``drain(i, staging)``. The first missing or bad page ends
-  the read (the rest are False). A damaged value (checksum, length, a part gone) is deleted
-  and counted; a value of another release or another identity (foreign) is a miss left in
-  place, counted apart.
+  the read (the rest are False; a window read on another lane at the same time may still
+  have handed later pages to ``drain``: their places are not reported served). A damaged
+  value (checksum, length, a part gone) is deleted and counted; a value of another release
+  or another identity (foreign) is a miss left in place, counted apart.
 - Bounds: every public call runs under one deadline, `remote_timeout` for the whole call
   (`storage.deadline`, honoured by the bulk wire on every wait), through `RemoteCaller` (one
   retry on a broken connection, a health gate that skips a dead server at once). Bytes in
@@ -141,7 +142,7 @@ class PageStore:
     def write(self, keys: Sequence[PageKey], fill: PageCopy) -> list[bool]:
         """Writes the pages; per page, whether it landed (see the module contract)."""
         landed = [False] * len(keys)
-        lanes = self.config.remote_write_lanes if self.wire is not None else 1
+        lanes = self._lane_count(self.config.remote_write_lanes)
         windows = self._windows(len(keys), lanes)
         with call_deadline(self.timeout):
             results = self._on_lanes(windows, lambda w: self._write_window(keys, w, fill),
@@ -154,16 +155,21 @@ class PageStore:
     def read(self, keys: Sequence[PageKey], drain: PageCopy) -> list[bool]:
         """Reads the pages; per page, whether it was served (a leading run, the rest False)."""
         served = [False] * len(keys)
-        lanes = self.config.remote_read_lanes if self.wire is not None else 1
+        lanes = self._lane_count(self.config.remote_read_lanes)
         windows = self._windows(len(keys), lanes)
         with call_deadline(self.timeout):
             results = self._on_lanes(windows, lambda w: self._read_window(keys, w, drain),
-                                     lanes, lambda good: good > 0)
-        for window, good in zip(windows, results, strict=False):
+                                     lanes, lambda good: good[0] == good[1])
+        for window, (good, _) in zip(windows, results, strict=False):
             served[window.start:window.start + good] = [True] * good
             if good < len(window):
                 break
         return served
+
+    def _lane_count(self, configured: int) -> int:
+        """Connections a call uses at once: the configured lanes over the bulk wire, one on a
+        cluster client (redis-py's pipeline) or once the store is closed."""
+        return configured if self.wire is not None and not self._closed.is_set() else 1
 
     def _windows(self, count: int, lanes: int) -> list[range]:
         """Consecutive runs of page indexes, each about ``WINDOW_BYTES / lanes`` of pages (at
@@ -206,19 +212,20 @@ class PageStore:
                     thread_name_prefix="lmcr_pages")
             return self._lanes
 
-    def _read_window(self, keys: Sequence[PageKey], window: range, drain: PageCopy) -> int:
-        """The number of leading pages of ``window`` read, checked and drained."""
+    def _read_window(self, keys: Sequence[PageKey], window: range, drain: PageCopy
+                     ) -> tuple[int, int]:
+        """(leading pages of ``window`` read, checked and drained; the window's pages)."""
         staging = self._staging(len(window))
         try:
             values, digests = self._fetch([keys[i] for i in window], staging)
         except BackendError as exc:
             self._failed("read", exc)
-            return 0
+            return 0, len(window)
         for slot, i in enumerate(window):
             if not self._decode(keys[i], values[slot], staging[slot], digests[slot]):
-                return slot
+                return slot, len(window)
             drain(i, staging[slot])
-        return len(window)
+        return len(window), len(window)
 
     # -- housekeeping -----------------------------------------------------------------------
 
