@@ -258,3 +258,21 @@ def test_fleet_stats(engines: Callable[..., Engine], redis_url: str, key_prefix:
     assert (fleet["lookup_tokens"], fleet["hit_tokens"]) == (7 * PAGE, 5 * PAGE)
     assert fleet["stored_tokens"] == fleet["retrieved_tokens"] == 5 * PAGE
     assert fleet["remote_written_bytes"] > 5 * 2 * 1536
+
+
+def test_clear_deletes_this_backends_pages_only(engines: Callable[..., Engine],
+                                                redis_client: redis.Redis,
+                                                key_prefix: str) -> None:
+    """SGLang's `clear_storage_backend` (POST /hicache/storage-backend/clear): this engine's
+    pages (its model and geometry) go; another geometry's and chunks stay."""
+    writer, reader = round_trip(engines)
+    other = engines(layout="layer_first")
+    tokens = tokens_for(2, seed=95)
+    assert other.backup(tokens, other.fill(2, seed=96)) == 2 * PAGE
+    chunk = f"{key_prefix}:v1:m:1:0:bfloat16:{{{'0' * 32}}}"
+    redis_client.set(chunk, b"x")
+    assert writer.controller.clear_storage_backend() is True
+    assert reader.prefetch(tokens_for(5, seed=1))[0] == 0
+    assert {k.geometry.split(".")[1] for k in page_keys(redis_client, key_prefix)} == {
+        "layer-first"}
+    assert other.prefetch(tokens)[0] == 2 * PAGE and redis_client.exists(chunk) == 1
