@@ -267,3 +267,47 @@ def test_evict_pages(redis_client: redis.Redis, redis_url: str, key_prefix: str)
     assert run_json(*base, "--all", "--yes")["deleted"] == 2
     assert st.present(theirs) == 0 and redis_client.exists(chunk.redis_key(key_prefix)) == 1
     assert run(*base, "--dtype", "bfloat16", "--yes").exit_code == 2
+
+
+def region_places(n: int, cuts: tuple[int, ...] = (5000,)) -> tuple[list[list[torch.Tensor]],
+                                                                   Any]:
+    """Per page, its bytes in separate buffers (cut at `cuts`), and the `places` of a read."""
+    bounds = (0, *cuts, 12000)
+    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    regions = [[torch.zeros(b - a, dtype=torch.uint8) for a, b in spans] for _ in range(n)]
+    return regions, lambda i: [r.numpy().data for r in regions[i]]
+
+
+@pytest.mark.parametrize("part_size", [4 * 1024 * 1024, 4096], ids=["one-value", "parts"])
+def test_read_in_place(redis_client: redis.Redis, redis_url: str, key_prefix: str,
+                       part_size: int) -> None:
+    """With `places` the values land in the caller's buffers (parts across several of them)
+    and are checked there: nothing is drained; damage found there is deleted all the same."""
+    st = store(redis_url, key_prefix, remote_part_size=part_size)
+    ks, data = keys(3), pages(3, seed=5)
+    write(st, ks, data)
+    regions, places = region_places(3, cuts=(1000, 7001))
+    drained: list[int] = []
+    served = st.read(ks, lambda i, page: drained.append(i), places=places)
+    assert served == [True] * 3 and drained == []
+    for i in range(3):
+        assert torch.equal(torch.cat(regions[i]), data[i].reshape(-1).view(torch.uint8))
+    name = ks[1].redis_key(key_prefix)
+    value = redis_client.get(name)
+    assert value is not None
+    redis_client.setrange(name, len(value) - 3, bytes([value[-3] ^ 1]))
+    assert st.read(ks, lambda i, page: None, places=region_places(3)[1]) == [True, False, False]
+    assert st.metrics.get("pages.corrupt") == 1 and redis_client.exists(name) == 0
+
+
+def test_read_in_place_of_another_part_plan(redis_url: str, key_prefix: str) -> None:
+    """A page another writer cut into other parts (another `remote_part_size`) is read apart:
+    decoded into staging and drained."""
+    ks, data = keys(2), pages(2, seed=6)
+    write(store(redis_url, key_prefix, remote_part_size=4096), ks, data)
+    reader = store(redis_url, key_prefix)
+    got: dict[int, torch.Tensor] = {}
+    regions, places = region_places(2)
+    served = reader.read(ks, lambda i, page: got.__setitem__(i, page.clone()), places=places)
+    assert served == [True, True] and sorted(got) == [0, 1]
+    assert torch.equal(got[1], data[1])

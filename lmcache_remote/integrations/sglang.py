@@ -25,8 +25,10 @@ How SGLang drives it (its `HiCacheController`/`HybridCacheController`):
 - `batch_exists(keys)`: how many leading pages are in Redis (one round trip). SGLang takes the
   minimum over its ranks.
 - `batch_set_v1(keys, host_indices)` / `batch_get_v1(keys, host_indices)` (`interface_v1` on):
-  copy the pages' regions out of / into the host pool, through a window of staging memory
-  (`storage.pages.PageStore`); per page True or False, reads a leading run.
+  writes copy the pages' regions into a window of staging memory and send it; reads receive
+  the values straight into the host pool's regions and check them there (the raw codec
+  without an `integrity_key`; otherwise through staging: `storage.pages.PageStore`); per
+  page True or False, reads a leading run.
 - `get`/`set`/`batch_get`/`batch_set`/`exists` (`interface_v1` off): SGLang's flat page
   tensors, under keys whose geometry says `flat` (their byte order differs from the regions').
 - `clear()`: deletes this backend's pages (this model and geometry) with SCAN/UNLINK;
@@ -253,7 +255,8 @@ class RedisHiCacheStorage(HiCacheStorage):
             if store is None or regions is None or page_keys is None:
                 return [False] * len(keys)
             pages = regions.pages(host_indices, len(keys))
-            served = store.read(page_keys, lambda i, page: regions.scatter(pages[i], page))
+            served = store.read(page_keys, lambda i, page: regions.scatter(pages[i], page),
+                                places=lambda i: [r.numpy().data for r in pages[i]])
         except Exception as exc:  # noqa: BLE001
             return self._error("get", exc, [False] * len(keys))
         self._note("prefetch", sum(served), start, store.page_nbytes)

@@ -45,7 +45,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
+import xxhash
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import (
@@ -58,6 +60,7 @@ from lmcache_remote.errors import (
 from lmcache_remote.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.keys import PageKey, page_scan_pattern
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.native import wire as _native_wire
 from lmcache_remote.serde import (
     Serde,
     Signer,
@@ -88,6 +91,8 @@ WINDOW_BYTES = 32 * 1024 * 1024
 _R = TypeVar("_R")
 #: Writes the fill of page i into the staging tensor / reads page i out of it.
 PageCopy = Callable[[int, torch.Tensor], None]
+#: Page i's destination bytes, in order (they add up to a page): a read's places.
+PagePlaces = Callable[[int], list[memoryview]]
 
 
 class PageStore:
@@ -152,14 +157,23 @@ class PageStore:
                 landed[window.start:window.stop] = [True] * len(window)
         return landed
 
-    def read(self, keys: Sequence[PageKey], drain: PageCopy) -> list[bool]:
-        """Reads the pages; per page, whether it was served (a leading run, the rest False)."""
+    def read(self, keys: Sequence[PageKey], drain: PageCopy,
+             places: PagePlaces | None = None) -> list[bool]:
+        """Reads the pages; per page, whether it was served (a leading run, the rest False).
+        With ``places`` (page i's destination bytes, in order) the values are received
+        straight there and checked in place where the bulk wire, the raw codec and no
+        `integrity_key` allow it: ``drain`` is then called only for a page that had to come
+        another way (written with another part plan: decoded into staging first)."""
         served = [False] * len(keys)
         lanes = self._lane_count(self.config.remote_read_lanes)
         windows = self._windows(len(keys), lanes)
+        in_place = (places is not None and self.wire is not None and self.integrity is None
+                    and self.serde.codec.codec_id == 0)
         with call_deadline(self.timeout):
-            results = self._on_lanes(windows, lambda w: self._read_window(keys, w, drain),
-                                     lanes, lambda good: good[0] == good[1])
+            results = self._on_lanes(
+                windows, lambda w: self._read_window(keys, w, drain,
+                                                     places if in_place else None),
+                lanes, lambda good: good[0] == good[1])
         for window, (good, _) in zip(windows, results, strict=False):
             served[window.start:window.start + good] = [True] * good
             if good < len(window):
@@ -212,20 +226,83 @@ class PageStore:
                     thread_name_prefix="lmcr_pages")
             return self._lanes
 
-    def _read_window(self, keys: Sequence[PageKey], window: range, drain: PageCopy
-                     ) -> tuple[int, int]:
+    def _read_window(self, keys: Sequence[PageKey], window: range, drain: PageCopy,
+                     places: PagePlaces | None = None) -> tuple[int, int]:
         """(leading pages of ``window`` read, checked and drained; the window's pages)."""
-        staging = self._staging(len(window))
+        staging = None if places is not None else self._staging(len(window))
+        dests = ([places(i) for i in window] if places is not None else
+                 [[_bytes_of(page)] for page in staging])  # type: ignore[union-attr]
         try:
-            values, digests = self._fetch([keys[i] for i in window], staging)
+            values, digests = self._fetch([keys[i] for i in window], dests)
         except BackendError as exc:
             self._failed("read", exc)
             return 0, len(window)
         for slot, i in enumerate(window):
-            if not self._decode(keys[i], values[slot], staging[slot], digests[slot]):
+            if staging is not None:
+                ok = self._decode(keys[i], values[slot], staging[slot], digests[slot])
+                if ok:
+                    drain(i, staging[slot])
+            else:
+                done = self._check_in_place(keys[i], values[slot], digests[slot])
+                ok = done if done is not None else self._read_apart(keys[i], i, drain)
+            if not ok:
                 return slot, len(window)
-            drain(i, staging[slot])
         return len(window), len(window)
+
+    def _check_in_place(self, key: PageKey, values: list[Any], digests: list[int | None]
+                        ) -> bool | None:
+        """Checks a page received in its places (header, identity, plan, lengths, every
+        part's checksum); False for a miss or a bad value (deleted), None when the value
+        was not cut by this store's plan (or a part did not land in place) and must be read
+        apart."""
+        if values[0] is None:
+            self.metrics.inc("pages.misses")
+            return False
+        head = values[0]
+        if not isinstance(head, list) or not all(isinstance(v, list) for v in values):
+            return None
+        try:
+            header = self.serde.read_header(head[0])
+            if header.num_tokens != self.page_tokens:
+                raise ForeignEntryError(f"value holds {header.num_tokens} tokens, a page "
+                                        f"here is {self.page_tokens}")
+            check_identity(header, key.hash_bytes, self.page_shape, self.dtype)
+            if (header.codec_id != 0 or header.part_count != len(values)
+                    or header.part_size != self.serde.part_size_for(self.page_nbytes)):
+                return None
+            for p, value in enumerate(values):
+                pieces = value[1:] if p == 0 else value
+                if sum(len(x) for x in pieces) != header.parts[p][0]:
+                    raise CorruptEntryError(f"part {p} has the wrong length")
+                known = digests[p] if len(pieces) == 1 else None
+                if known is None:
+                    known = _xxh3_of(pieces)
+                if known != header.parts[p][1]:
+                    raise CorruptEntryError(f"part {p} fails its checksum")
+        except ForeignEntryError as exc:
+            self._foreign(key, exc)
+            return False
+        except CorruptEntryError as exc:
+            self._drop(key, exc)
+            return False
+        self.metrics.inc("pages.hits")
+        self.metrics.inc("pages.read_bytes",
+                         sum(header.value_nbytes(i) for i in range(len(values))))
+        return True
+
+    def _read_apart(self, key: PageKey, index: int, drain: PageCopy) -> bool:
+        """One page the slow way: fetched into fresh buffers, decoded into staging, drained."""
+        try:
+            values = self._run([("GET", name) for name in
+                                key.part_keys(self.prefix, self.nparts)])
+        except BackendError as exc:
+            self._failed("read", exc)
+            return False
+        page = self._staging(1)[0]
+        if not self._decode(key, list(values), page, [None] * len(values)):
+            return False
+        drain(index, page)
+        return True
 
     # -- housekeeping -----------------------------------------------------------------------
 
@@ -321,14 +398,15 @@ class PageStore:
         self.metrics.inc("pages.written", len(window))
         self.metrics.inc("pages.written_bytes", nbytes)
 
-    def _fetch(self, keys: Sequence[PageKey], staging: torch.Tensor
+    def _fetch(self, keys: Sequence[PageKey], dests: Sequence[Sequence[memoryview]]
                ) -> tuple[list[list[Any]], list[list[int | None]]]:
         """GETs every value of the pages in one pipeline: per page its replies and, per reply,
         its part's XXH3-64 where the receive loop computed it (else None). Over the bulk wire
         with the raw codec each value lands in its place up front (value 0's header in a
-        scratch buffer, every part's bytes in the page's staging slot), read and hashed
-        without the GIL; a value of any other length lands in a fresh buffer and fails its
-        checks. Otherwise the replies are fresh buffers, decoded afterwards."""
+        scratch buffer, every part's bytes where ``dests[page]`` puts them: a staging slot,
+        or the engine's own memory), read and hashed without the GIL, and its reply is the
+        list of its buffers; a value of any other length lands in a fresh buffer and fails
+        its checks. Otherwise the replies are fresh buffers, decoded afterwards."""
         key_lists = [k.part_keys(self.prefix, self.nparts) for k in keys]
         flat = [("GET", name) for names in key_lists for name in names]
         digests: list[int | None] = [None] * len(flat)
@@ -342,19 +420,20 @@ class PageStore:
         sink: list[Any] = []
         sizes: list[int] = []
         for slot in range(len(keys)):
-            raw = _bytes_of(staging[slot])
             for p in range(self.nparts):
-                segment = raw[p * size:min(self.page_nbytes, (p + 1) * size)]
-                sink.append([heads[slot * head:(slot + 1) * head], segment] if p == 0
-                            else segment)
-                sizes.append(len(segment) + (head if p == 0 else 0))
+                start, end = p * size, min(self.page_nbytes, (p + 1) * size)
+                pieces = _cut(dests[slot], start, end)
+                sink.append([heads[slot * head:(slot + 1) * head], *pieces] if p == 0
+                            else pieces)
+                sizes.append(end - start + (head if p == 0 else 0))
 
         def op() -> list[Any]:
             return wire.execute(flat, sink, reply_sizes=sizes,
                                 inflight_bytes=read_ahead([self.page_nbytes]),
                                 digests=digests, max_bulk=self._longest)
 
-        replies = self.caller.call(op)
+        replies = [_as_received(reply, place) for reply, place in
+                   zip(self.caller.call(op), sink, strict=True)]
         return regroup(replies, key_lists), regroup(digests, key_lists)
 
     def _decode(self, key: PageKey, values: list[Any], out: torch.Tensor,
@@ -380,10 +459,7 @@ class PageStore:
             self.serde.decode_parts_into(header, stored, out, key.hash_bytes, self.page_shape,
                                          self.dtype, digests=digests)
         except ForeignEntryError as exc:
-            kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
-            self.metrics.inc(f"pages.{kind}")
-            self._log.warning(kind, "%s page %s left in place, not served: %s", kind,
-                              key.page_hash, exc)
+            self._foreign(key, exc)
             return False
         except CorruptEntryError as exc:
             self._drop(key, exc)
@@ -435,6 +511,12 @@ class PageStore:
                 raise CorruptEntryError(f"part {i} fails its checksum (and the MAC)")
         raise UnauthenticatedEntryError("its MAC does not verify under this integrity key")
 
+    def _foreign(self, key: PageKey, exc: ForeignEntryError) -> None:
+        kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
+        self.metrics.inc(f"pages.{kind}")
+        self._log.warning(kind, "%s page %s left in place, not served: %s", kind,
+                          key.page_hash, exc)
+
     def _drop(self, key: PageKey, exc: CorruptEntryError) -> None:
         kind = "incomplete" if isinstance(exc, IncompleteChunkError) else "corrupt"
         self.metrics.inc(f"pages.{kind}")
@@ -451,11 +533,14 @@ class PageStore:
 
 def _stored_part(header: ValueHeader, index: int, value: Any) -> memoryview:
     """The stored bytes of part ``index`` (value 0 without its header), length-checked."""
-    if isinstance(value, list):  # value 0 received as [header, part 0 in place]
-        if len(value[0]) != header.header_nbytes:
-            raise CorruptEntryError(f"value 0 header is {len(value[0])} bytes, expected "
-                                    f"{header.header_nbytes}")
-        return memoryview(value[1])
+    if isinstance(value, list):  # received in place: [header, part 0] / [part i]
+        pieces = value
+        if index == 0:
+            if len(value[0]) != header.header_nbytes:
+                raise CorruptEntryError(f"value 0 header is {len(value[0])} bytes, expected "
+                                        f"{header.header_nbytes}")
+            pieces = value[1:]
+        return memoryview(pieces[0]) if len(pieces) == 1 else memoryview(b"".join(pieces))
     if value is None or isinstance(value, (int, Exception)):
         raise CorruptEntryError(f"value {index} is not a bulk string")
     view = memoryview(value).cast("B")
@@ -463,6 +548,47 @@ def _stored_part(header: ValueHeader, index: int, value: Any) -> memoryview:
         raise CorruptEntryError(f"value {index} is {len(view)} bytes, expected "
                                 f"{header.value_nbytes(index)}")
     return view[header.header_nbytes:] if index == 0 else view
+
+
+def _as_received(reply: Any, place: list[memoryview]) -> Any:
+    """A reply as the list of its place's buffers when it landed there (the wire hands back a
+    one-buffer place as the buffer itself), else as it came (a fresh buffer, None, ...)."""
+    if isinstance(reply, list) or len(place) != 1 or not isinstance(reply, memoryview):
+        return reply
+    if len(reply) == len(place[0]) and _address(reply) == _address(place[0]):
+        return [reply]
+    return reply
+
+
+def _address(view: memoryview) -> int:
+    if not len(view):
+        return 0
+    if _native_wire is not None:
+        return int(_native_wire.address(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _cut(pieces: Sequence[memoryview], start: int, end: int) -> list[memoryview]:
+    """The byte range ``[start, end)`` of the pieces laid end to end, as views of them."""
+    out, at = [], 0
+    for piece in pieces:
+        lo, hi = max(start, at), min(end, at + len(piece))
+        if lo < hi:
+            out.append(piece[lo - at:hi - at])
+        at += len(piece)
+    if sum(len(x) for x in out) != end - start:
+        raise ValueError(f"the places hold {at} bytes, not the range {start}..{end}")
+    return out
+
+
+def _xxh3_of(pieces: Sequence[memoryview]) -> int:
+    """XXH3-64 of the pieces laid end to end (a part received across several regions)."""
+    if len(pieces) == 1:
+        return checksum(pieces[0])
+    digest = xxhash.xxh3_64()
+    for piece in pieces:
+        digest.update(piece)
+    return int(digest.intdigest())
 
 
 def _bytes_of(page: torch.Tensor) -> memoryview:
