@@ -20,12 +20,15 @@ trip.
   ``fill(i, staging)`` copies page i into the staging tensor of its window, which is encoded
   (raw: the values are views of it, no copy) and written in one pipelined batch, each page by
   one atomic command. Per page, whether it landed (a failed window's pages are False).
-- `read(keys, drain)`: the pages' values are fetched in windows the same way over
-  `remote_read_lanes` connections (over the bulk wire with the raw codec, received straight
-  into the staging tensor and hashed as they land), checked (header, identity, lengths, every
-  checksum, the MAC) and handed to ``drain(i, staging)``. The first missing or bad page ends
-  the read (the rest are False; a window read on another lane at the same time may still
-  have handed later pages to ``drain``: their places are not reported served). A damaged
+- `read(keys, drain, places=None)`: the pages' values are fetched in windows the same way
+  over `remote_read_lanes` connections (over the bulk wire with the raw codec, received
+  straight into the staging tensor and hashed as they land), checked (header, identity,
+  lengths, every checksum, the MAC) and handed to ``drain(i, staging)``. With ``places`` (the
+  caller's own memory for page i, in pieces) they land there instead and are checked in
+  place, without the MAC (so only without an `integrity_key`) and without staging; a page
+  cut by another part plan is read apart through staging and drained. The first missing or
+  bad page ends the read (the rest are False; a window read on another lane at the same time
+  may still have filled later pages' places: they are not reported served). A damaged
   value (checksum, length, a part gone) is deleted and counted; a value of another release
   or another identity (foreign) is a miss left in place, counted apart.
 - Bounds: every public call runs under one deadline, `remote_timeout` for the whole call
