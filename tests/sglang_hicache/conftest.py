@@ -8,12 +8,18 @@ Redis and key prefix and detaches all of them after the test.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rig import Engine, save_model_dir, start_sglang
+
+with warnings.catch_warnings():
+    # importing sglang warns about CUDA-only quantization kernels and deprecated torch.jit
+    # APIs on this CPU build: noise for these tests
+    warnings.simplefilter("ignore")
+    from rig import Engine, save_model_dir, start_sglang
 
 
 @pytest.fixture(scope="session")
