@@ -306,16 +306,9 @@ class Serde:
         itemsize = tensor.dtype.itemsize
         stored = self._map(self.codec, lambda seg: self._encode_part(seg, itemsize, sealed),
                            segments)
-        header = bytearray(header_nbytes(len(segments), signer is not None))
-        version = FORMAT_VERSION | (AUTHENTICATED if signer is not None else 0)
-        HEADER_FIXED.pack_into(
-            header, 0, MAGIC, version, self.codec.codec_id, DTYPE_CODES[tensor.dtype],
-            len(shape), *shape, *([0] * (MAX_NDIM - len(shape))), num_tokens, bytes(chunk_hash),
-            len(raw), size, len(segments),
-        )  # fmt: skip
-        for i, (data, checksum) in enumerate(stored):
-            offset = HEADER_FIXED.size + i * PART_ENTRY.size
-            PART_ENTRY.pack_into(header, offset, len(data), checksum)
+        header = _header_for(self.codec.codec_id, tensor.dtype, shape, num_tokens, chunk_hash,
+                             len(raw), size, [(len(data), sum_) for data, sum_ in stored],
+                             signer is not None)
         parts = [data for data, _ in stored]
         if not sealed:
             return header, parts
@@ -325,6 +318,26 @@ class Serde:
             header[signed:end] = _checked_tag(signer(memoryview(header)[:signed], parts))
         HEADER_CHECKSUM.pack_into(header, end, _header_checksum(memoryview(header)[:end]))
         return bytes(header), parts
+
+    def raw_header(self, shape: tuple[int, ...], dtype: torch.dtype, chunk_hash: bytes,
+                   num_tokens: int, part_size: int, parts: Sequence[tuple[int, int]]) -> bytes:
+        """The sealed header of an unauthenticated raw-codec value whose bytes the caller
+        sends from where they lie (the SGLang backend's host-pool regions) instead of from one
+        tensor: segments of ``part_size`` raw bytes, each given as (length, XXH3-64 of its
+        bytes). Value 0 is this header followed by segment 0, value i segment i, exactly as
+        `encode` would make them with the raw codec."""
+        _check_shape(tuple(shape), SerdeError)
+        raw_nbytes = sum(length for length, _ in parts)
+        if raw_nbytes != math.prod(shape) * dtype.itemsize or not parts or any(
+                length != min(part_size, raw_nbytes - i * part_size)
+                for i, (length, _) in enumerate(parts)):
+            raise SerdeError(f"{len(parts)} parts of {part_size} bytes do not hold "
+                             f"{dtype} {tuple(shape)}")
+        header = _header_for(RawCodec.codec_id, dtype, tuple(shape), num_tokens, chunk_hash,
+                             raw_nbytes, part_size, parts, False)
+        end = len(header) - HEADER_CHECKSUM.size
+        HEADER_CHECKSUM.pack_into(header, end, _header_checksum(memoryview(header)[:end]))
+        return bytes(header)
 
     def _encode_part(self, segment: memoryview, itemsize: int, sealed: bool = True
                      ) -> tuple[BytesLike, int]:
@@ -439,6 +452,24 @@ class Serde:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lmcr-serde")
             pool = self._pool
         return list(pool.map(fn, items))
+
+
+def _header_for(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], num_tokens: int,
+                chunk_hash: bytes, raw_nbytes: int, part_size: int,
+                parts: Sequence[tuple[int, int]], authenticated: bool) -> bytearray:
+    """A header with every field but the MAC and the header checksum filled in."""
+    if dtype not in DTYPE_CODES:
+        raise SerdeError(f"unsupported dtype {dtype}")
+    header = bytearray(header_nbytes(len(parts), authenticated))
+    version = FORMAT_VERSION | (AUTHENTICATED if authenticated else 0)
+    HEADER_FIXED.pack_into(
+        header, 0, MAGIC, version, codec_id, DTYPE_CODES[dtype],
+        len(shape), *shape, *([0] * (MAX_NDIM - len(shape))), num_tokens, bytes(chunk_hash),
+        raw_nbytes, part_size, len(parts),
+    )  # fmt: skip
+    for i, (length, sum_) in enumerate(parts):
+        PART_ENTRY.pack_into(header, HEADER_FIXED.size + i * PART_ENTRY.size, length, sum_)
+    return header
 
 
 def header_seal(header: bytearray, parts: Sequence[BytesLike]

@@ -311,3 +311,29 @@ def test_read_in_place_of_another_part_plan(redis_url: str, key_prefix: str) -> 
     served = reader.read(ks, lambda i, page: got.__setitem__(i, page.clone()), places=places)
     assert served == [True, True] and sorted(got) == [0, 1]
     assert torch.equal(got[1], data[1])
+
+
+@pytest.mark.parametrize("part_size", [4 * 1024 * 1024, 4096], ids=["one-value", "parts"])
+def test_write_in_place_makes_the_same_values(redis_client: redis.Redis, redis_url: str,
+                                              key_prefix: str, part_size: int) -> None:
+    """Pages sent from the caller's buffers (parts across several of them, checksummed
+    there) are byte for byte the values a write through staging makes, and read back."""
+    data = pages(2, seed=7)
+    regions, places = region_places(2, cuts=(1000, 7001))
+    for i in range(2):
+        flat = data[i].reshape(-1).view(torch.uint8)
+        at = 0
+        for r in regions[i]:
+            r.copy_(flat[at:at + len(r)])
+            at += len(r)
+    ks = keys(2)
+    staged = store(redis_url, key_prefix + "s", remote_part_size=part_size)
+    direct = store(redis_url, key_prefix, remote_part_size=part_size)
+    assert write(staged, ks, data) == [True, True]
+    assert direct.write(ks, lambda i, page: pytest.fail("filled"), places=places) == [True] * 2
+    for k in ks:
+        for a, b in zip(k.part_keys(key_prefix + "s", staged.nparts),
+                        k.part_keys(key_prefix, direct.nparts), strict=True):
+            assert redis_client.get(a) == redis_client.get(b)
+    served, got = read(direct, ks)
+    assert served == [True, True] and torch.equal(got[1], data[1])

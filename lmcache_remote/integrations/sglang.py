@@ -25,10 +25,10 @@ How SGLang drives it (its `HiCacheController`/`HybridCacheController`):
 - `batch_exists(keys)`: how many leading pages are in Redis (one round trip). SGLang takes the
   minimum over its ranks.
 - `batch_set_v1(keys, host_indices)` / `batch_get_v1(keys, host_indices)` (`interface_v1` on):
-  writes copy the pages' regions into a window of staging memory and send it; reads receive
-  the values straight into the host pool's regions and check them there (the raw codec
-  without an `integrity_key`; otherwise through staging: `storage.pages.PageStore`); per
-  page True or False, reads a leading run.
+  writes send the pages' values straight from the host pool's regions, reads receive them
+  straight into the regions and check them there (the raw codec without an `integrity_key`;
+  otherwise through a window of staging memory: `storage.pages.PageStore`); per page True or
+  False, reads a leading run.
 - `get`/`set`/`batch_get`/`batch_set`/`exists` (`interface_v1` off): SGLang's flat page
   tensors, under keys whose geometry says `flat` (their byte order differs from the regions').
 - `clear()`: deletes this backend's pages (this model and geometry) with SCAN/UNLINK;
@@ -272,7 +272,8 @@ class RedisHiCacheStorage(HiCacheStorage):
             if store is None or regions is None or page_keys is None:
                 return [False] * len(keys)
             pages = regions.pages(host_indices, len(keys))
-            landed = store.write(page_keys, lambda i, page: regions.gather(pages[i], page))
+            landed = store.write(page_keys, lambda i, page: regions.gather(pages[i], page),
+                                 places=lambda i: [r.numpy().data for r in pages[i]])
         except Exception as exc:  # noqa: BLE001
             return self._error("set", exc, [False] * len(keys))
         self._note("backup", sum(landed), start, store.page_nbytes)

@@ -15,11 +15,14 @@ trip.
 - `present(keys)`: one round trip (`TOUCH` of every value key of every page: it counts them
   as EXISTS does and refreshes their LRU clock, since a hit query promises the pages to the
   read that follows); the length of the leading run of whole pages.
-- `write(keys, fill)`: pages go out in windows (`WINDOW_BYTES` of raw pages over
+- `write(keys, fill, places=None)`: pages go out in windows (`WINDOW_BYTES` of raw pages over
   `remote_write_lanes` connections at once, so about `WINDOW_BYTES` of staging in flight):
   ``fill(i, staging)`` copies page i into the staging tensor of its window, which is encoded
   (raw: the values are views of it, no copy) and written in one pipelined batch, each page by
-  one atomic command. Per page, whether it landed (a failed window's pages are False).
+  one atomic command. Per page, whether it landed (a failed window's pages are False). With
+  ``places`` (page i's bytes where they lie, in pieces) and the raw codec without an
+  `integrity_key`, each value is sent from there instead (`Serde.raw_header` over the
+  pieces' checksums): no staging, no copy.
 - `read(keys, drain, places=None)`: the pages' values are fetched in windows the same way
   over `remote_read_lanes` connections (over the bulk wire with the raw codec, received
   straight into the staging tensor and hashed as they land), checked (header, identity,
@@ -147,14 +150,20 @@ class PageStore:
             run += 1
         return run
 
-    def write(self, keys: Sequence[PageKey], fill: PageCopy) -> list[bool]:
-        """Writes the pages; per page, whether it landed (see the module contract)."""
+    def write(self, keys: Sequence[PageKey], fill: PageCopy,
+              places: PagePlaces | None = None) -> list[bool]:
+        """Writes the pages; per page, whether it landed (see the module contract). With
+        ``places`` (page i's bytes where they lie, in pieces) the values are sent from there,
+        checksummed in place, without staging, where the bulk wire, the raw codec and no
+        `integrity_key` allow it; ``fill`` is then not called."""
         landed = [False] * len(keys)
         lanes = self._lane_count(self.config.remote_write_lanes)
         windows = self._windows(len(keys), lanes)
+        in_place = places if self._in_place_ok() else None
         with call_deadline(self.timeout):
-            results = self._on_lanes(windows, lambda w: self._write_window(keys, w, fill),
-                                     lanes, lambda ok: ok)
+            results = self._on_lanes(
+                windows, lambda w: self._write_window(keys, w, fill, in_place), lanes,
+                lambda ok: ok)
         for window, ok in zip(windows, results, strict=False):
             if ok:
                 landed[window.start:window.stop] = [True] * len(window)
@@ -170,18 +179,23 @@ class PageStore:
         served = [False] * len(keys)
         lanes = self._lane_count(self.config.remote_read_lanes)
         windows = self._windows(len(keys), lanes)
-        in_place = (places is not None and self.wire is not None and self.integrity is None
-                    and self.serde.codec.codec_id == 0)
+        in_place = places if self._in_place_ok() else None
         with call_deadline(self.timeout):
             results = self._on_lanes(
-                windows, lambda w: self._read_window(keys, w, drain,
-                                                     places if in_place else None),
-                lanes, lambda good: good[0] == good[1])
+                windows, lambda w: self._read_window(keys, w, drain, in_place), lanes,
+                lambda good: good[0] == good[1])
         for window, (good, _) in zip(windows, results, strict=False):
             served[window.start:window.start + good] = [True] * good
             if good < len(window):
                 break
         return served
+
+    def _in_place_ok(self) -> bool:
+        """Whether values can go out of and come into the caller's memory as they lie: the
+        bulk wire sends and receives buffers where they are, the raw codec stores bytes as
+        they are, and without a MAC to compute over a whole value."""
+        return (self.wire is not None and self.integrity is None
+                and self.serde.codec.codec_id == 0)
 
     def _lane_count(self, configured: int) -> int:
         """Connections a call uses at once: the configured lanes over the bulk wire, one on a
@@ -362,15 +376,39 @@ class PageStore:
 
         return self.caller.call(op)
 
-    def _write_window(self, keys: Sequence[PageKey], window: range, fill: PageCopy) -> bool:
-        """Fills, encodes and writes one window of pages in one batch; whether it landed."""
-        staging = self._staging(len(window))
+    def _write_window(self, keys: Sequence[PageKey], window: range, fill: PageCopy,
+                      places: PagePlaces | None = None) -> bool:
+        """Fills, encodes and writes one window of pages in one batch (or, with ``places``,
+        writes them from where they lie); whether it landed."""
         try:
-            self._send_window(keys, window, staging, fill)
+            if places is not None:
+                self._send_in_place(keys, window, places)
+            else:
+                self._send_window(keys, window, self._staging(len(window)), fill)
         except BackendError as exc:
             self._failed("write", exc)
             return False
         return True
+
+    def _send_in_place(self, keys: Sequence[PageKey], window: range,
+                       places: PagePlaces) -> None:
+        """One window of pages sent from the caller's memory: each part the pieces of it that
+        the part plan cuts, checksummed there, behind a header `Serde.raw_header` builds."""
+        size = self.serde.part_size_for(self.page_nbytes)
+        bounds = [(p * size, min(self.page_nbytes, (p + 1) * size)) for p in range(self.nparts)]
+        commands: list[tuple[Any, ...]] = []
+        for i in window:
+            pieces = [_cut(places(i), a, b) for a, b in bounds]
+            header = self.serde.raw_header(
+                self.page_shape, self.dtype, keys[i].hash_bytes, self.page_tokens, size,
+                [(b - a, _xxh3_of(part)) for (a, b), part in zip(bounds, pieces, strict=True)])
+            values: list[Any] = [(header, *pieces[0]), *(tuple(part) for part in pieces[1:])]
+            commands.append(chunk_write_command(keys[i].part_keys(self.prefix, self.nparts),
+                                                values, self._ttl_ms))
+        self._run(commands)
+        self.metrics.inc("pages.written", len(window))
+        self.metrics.inc("pages.written_bytes",
+                         len(window) * (self.page_nbytes + header_nbytes(self.nparts)))
 
     def _send_window(self, keys: Sequence[PageKey], window: range, staging: torch.Tensor,
                      fill: PageCopy) -> None:
