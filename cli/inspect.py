@@ -12,18 +12,23 @@ from lmcache_remote_cli.output import seconds, size
 @click.argument("key")
 @click.option("--no-verify", is_flag=True, help="Read the header only, skip the checksums.")
 def inspect(cx: CliContext, key: str, no_verify: bool) -> None:
-    """Show one entry. KEY is a Redis key or model:world_size:worker:dtype:hash."""
+    """Show one entry. KEY is a Redis key (a chunk's, or an SGLang page's) or
+    model:world_size:worker:dtype:hash."""
     info = cx.admin.inspect(key, verify=not no_verify)
     if cx.json:
         cx.emit(info)
         return
-    lines = [
-        ("key", info["redis_key"]),
-        ("model", info["model_name"]),
-        ("world size / worker", f"{info['world_size']} / {info['worker_id']}"),
-        ("dtype", info["dtype"]),
-        ("chunk hash", info["chunk_hash"]),
-    ]
+    if info.get("kind") == "page":  # an SGLang HiCache page
+        lines = [("key", info["redis_key"]), ("model", info["model_name"]),
+                 ("geometry", info["geometry"]), ("page hash", info["page_hash"])]
+    else:
+        lines = [
+            ("key", info["redis_key"]),
+            ("model", info["model_name"]),
+            ("world size / worker", f"{info['world_size']} / {info['worker_id']}"),
+            ("dtype", info["dtype"]),
+            ("chunk hash", info["chunk_hash"]),
+        ]
     if "codec" in info:
         lines += [
             ("codec", info["codec"]),

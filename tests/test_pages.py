@@ -337,3 +337,26 @@ def test_write_in_place_makes_the_same_values(redis_client: redis.Redis, redis_u
             assert redis_client.get(a) == redis_client.get(b)
     served, got = read(direct, ks)
     assert served == [True, True] and torch.equal(got[1], data[1])
+
+
+def test_inspect_a_page(redis_client: redis.Redis, redis_url: str, key_prefix: str) -> None:
+    """`lmcache-remote inspect` of a page key (or one of its part keys): the header, checked
+    against the page key, and the checksum verdict; damage shows as FAILED."""
+    from cliutil import run, run_json
+
+    st = store(redis_url, key_prefix, remote_part_size=4096)
+    ks = keys(1)
+    write(st, ks, pages(1))
+    name = ks[0].redis_key(key_prefix)
+    info = run_json("inspect", "--url", redis_url, "--prefix", key_prefix, name + "#1")
+    assert (info["kind"], info["geometry"], info["page_hash"]) == (
+        "page", ks[0].geometry, ks[0].page_hash)
+    assert info["checksum_ok"] is True and info["header_hash_matches_key"] is True
+    assert (info["parts"], info["shape"], info["num_tokens"]) == (st.nparts, list(SHAPE), 16)
+    assert info["bytes"] == sum(redis_client.strlen(k) for k in ks[0].part_keys(key_prefix,
+                                                                              st.nparts))
+    redis_client.setrange(name + "#1", 10, b"\xff\xfe")
+    damaged = run_json("inspect", "--url", redis_url, "--prefix", key_prefix, name)
+    assert damaged["checksum_ok"] is False and "checksum" in damaged["error"]
+    human = run("inspect", "--url", redis_url, "--prefix", key_prefix, name)
+    assert "geometry" in human.stdout and "FAILED" in human.stdout

@@ -55,7 +55,7 @@ from lmcache_remote.errors import (
     KeyFormatError,
     LmcrError,
 )
-from lmcache_remote.keys import CacheEngineKey, split_part_key
+from lmcache_remote.keys import CacheEngineKey, PageKey, split_page_part_key, split_part_key
 from lmcache_remote.serde import Serde, dtype_name
 from lmcache_remote.storage.access import check_access
 from lmcache_remote.storage.client import make_client, translate
@@ -165,7 +165,14 @@ class CacheAdmin:
             return CacheEngineKey.from_string(text)
 
     def inspect(self, text: str, verify: bool = True) -> dict[str, Any]:
-        """The decoded header of one chunk, and whether its values pass every check."""
+        """The decoded header of one chunk (or of one SGLang page, given its Redis key), and
+        whether its values pass every check."""
+        try:
+            page = split_page_part_key(self.prefix, text)[0]
+        except KeyFormatError:
+            page = None
+        if page is not None:
+            return self._inspect_page(page, verify)
         key = self.resolve_key(text)
         raw = key.redis_key(self.prefix).encode()
         with _translated(self.url):
@@ -180,6 +187,49 @@ class CacheAdmin:
                 reads.pipe.mget(entry.keys)
                 values = reads.execute()[0]
         return describe(entry, values)
+
+    def _inspect_page(self, key: PageKey, verify: bool) -> dict[str, Any]:
+        """`inspect` of a page: its header, idle time and TTL, and with `verify` every value
+        checked against the page key (read under `CLIENT NO-TOUCH`)."""
+        name = key.redis_key(self.prefix)
+        with _translated(self.url):
+            reads = ReadPipeline(self.client, name)
+            reads.pipe.get(name)
+            reads.pipe.object("idletime", name)
+            reads.pipe.pttl(name)
+            head, idle, pttl = reads.execute(raise_on_error=False)
+            if head is None:
+                raise EntryNotFoundError(f"no page under {name}")
+            out: dict[str, Any] = {
+                "redis_key": name, "kind": "page", "model_name": key.model_name,
+                "geometry": key.geometry, "page_hash": key.page_hash,
+                "idle_seconds": None if isinstance(idle, Exception) else int(idle),
+                "ttl_seconds": None if int(pttl) < 0 else int(pttl) / 1000,
+                "parts": None, "bytes": len(head), "checksum_ok": None, "error": None,
+            }
+            try:
+                header = Serde("raw").read_header(head)
+            except (CorruptEntryError, ForeignEntryError) as exc:
+                out.update(checksum_ok=False, error=str(exc))
+                return out
+            names = key.part_keys(self.prefix, header.part_count)
+            reads = ReadPipeline(self.client, name)
+            reads.pipe.mget(names)
+            values = reads.execute()[0]
+        out.update(
+            parts=header.part_count, codec=header.codec_name,
+            value_dtype=dtype_name(header.dtype), shape=list(header.shape),
+            num_tokens=header.num_tokens, raw_bytes=header.raw_nbytes,
+            stored_bytes=header.payload_nbytes, header_bytes=header.header_nbytes,
+            part_size=header.part_size, header_hash_matches_key=header.chunk_hash == key.hash_bytes,
+            bytes=sum(len(v) for v in values if v is not None))
+        if verify:
+            try:
+                Serde("raw").decode(values, key.hash_bytes)
+                out["checksum_ok"] = True
+            except (CorruptEntryError, ForeignEntryError) as exc:
+                out.update(checksum_ok=False, error=str(exc))
+        return out
 
     # -- deleting -----------------------------------------------------------------------------
 
