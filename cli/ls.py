@@ -17,8 +17,13 @@ from lmcache_remote.admin import describe
 @filter_options
 @click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
               help="At most this many entries (0 = all).")
-def ls(cx: CliContext, filter_args: dict[str, Any], limit: int) -> None:
+@click.option("--pages", is_flag=True, help="The SGLang HiCache backend's pages instead of "
+              "chunks (--model: one model namespace's).")
+def ls(cx: CliContext, filter_args: dict[str, Any], limit: int, pages: bool) -> None:
     """List entries: model, worker, dtype, hash, size, idle time, TTL."""
+    if pages:
+        _ls_pages(cx, filter_args, limit)
+        return
     flt = build_filter(filter_args, cx.config.chunk_size)
     rows = [describe(e) for e in cx.admin.entries(flt, limit or None)]
     if cx.json:
@@ -34,3 +39,20 @@ def ls(cx: CliContext, filter_args: dict[str, Any], limit: int) -> None:
     cx.out.print(t)
     if limit and len(rows) == limit:
         cx.info(f"showing the first {limit} entries (--limit 0 for all)")
+
+
+def _ls_pages(cx: CliContext, filter_args: dict[str, Any], limit: int) -> None:
+    if any(v is not None for k, v in filter_args.items() if k != "model"):
+        raise click.UsageError("--pages takes --model only")
+    rows = list(cx.admin.page_entries(filter_args.get("model"), limit or None))
+    if cx.json:
+        cx.emit({"count": len(rows), "limit": limit, "pages": rows})
+        return
+    t = table("model", "geometry", "page hash", "tokens", "parts", "size", "idle", "ttl")
+    for r in rows:
+        t.add_row(r["model_name"], r["geometry"], r["page_hash"], str(r["num_tokens"] or "?"),
+                  str(r["parts"]), size(r["bytes"]), seconds(r["idle_seconds"]),
+                  seconds(r["ttl_seconds"], none="none"))
+    cx.out.print(t)
+    if limit and len(rows) == limit:
+        cx.info(f"showing the first {limit} pages (--limit 0 for all)")

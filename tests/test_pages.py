@@ -360,3 +360,28 @@ def test_inspect_a_page(redis_client: redis.Redis, redis_url: str, key_prefix: s
     assert damaged["checksum_ok"] is False and "checksum" in damaged["error"]
     human = run("inspect", "--url", redis_url, "--prefix", key_prefix, name)
     assert "geometry" in human.stdout and "FAILED" in human.stdout
+
+
+def test_ls_pages(redis_client: redis.Redis, redis_url: str, key_prefix: str) -> None:
+    """`lmcache-remote ls --pages`: one row per page (part keys folded in), narrowed by
+    --model, with the bytes of all its values; chunks are not listed."""
+    from cliutil import run, run_json
+
+    st = store(redis_url, key_prefix, remote_part_size=4096)
+    write(st, keys(3), pages(3))
+    write(st, [PageKey("other", "mha.p16", "ff" * 32)], pages(1))
+    redis_client.set(CacheEngineKey("m", 1, 0, "bfloat16", "0" * 32).redis_key(key_prefix), b"x")
+    base = ("ls", "--url", redis_url, "--prefix", key_prefix, "--pages")
+    out = run_json(*base, "--model", "org/model:v2@f1-00")
+    assert out["count"] == 3
+    assert sorted(r["page_hash"] for r in out["pages"]) == sorted(k.page_hash for k in keys(3))
+    row = out["pages"][0]
+    assert (row["parts"], row["num_tokens"], row["error"]) == (st.nparts, 16, None)
+    assert row["bytes"] == sum(redis_client.strlen(k) for k in
+                               PageKey.from_redis_key(key_prefix, row["redis_key"])
+                               .part_keys(key_prefix, st.nparts))
+    assert run_json(*base, "--limit", "0")["count"] == 4
+    assert run_json(*base, "--limit", "2")["count"] == 2
+    human = run(*base)
+    assert human.exit_code == 0 and "geometry" in human.stdout
+    assert run(*base, "--dtype", "bfloat16").exit_code == 2

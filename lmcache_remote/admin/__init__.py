@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from lmcache_remote.admin.entries import Entry, iter_entries, load_entries
+from lmcache_remote.admin.entries import Entry, iter_entries, iter_page_entries, load_entries
 from lmcache_remote.admin.evict import (
     EvictResult,
     evict,
@@ -155,6 +155,14 @@ class CacheAdmin:
         """Matching chunks in SCAN order, at most `limit`."""
         with _translated(self.url):
             it = iter_entries(self.client, self.prefix, flt or EntryFilter())
+            yield from itertools.islice(it, limit)
+
+    def page_entries(self, model_name: str | None = None,
+                     limit: int | None = None) -> Iterator[dict[str, Any]]:
+        """The SGLang backend's pages (all, or one model namespace's) in SCAN order, at most
+        `limit`, as rows (`admin.entries.iter_page_entries`)."""
+        with _translated(self.url):
+            it = iter_page_entries(self.client, self.prefix, model_name)
             yield from itertools.islice(it, limit)
 
     def resolve_key(self, text: str) -> CacheEngineKey:

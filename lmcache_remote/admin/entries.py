@@ -22,8 +22,8 @@ import redis
 
 from lmcache_remote.admin.filters import EntryFilter
 from lmcache_remote.admin.notouch import ReadPipeline
-from lmcache_remote.errors import CorruptEntryError, ForeignEntryError
-from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.errors import CorruptEntryError, ForeignEntryError, KeyFormatError
+from lmcache_remote.keys import CacheEngineKey, PageKey, page_scan_pattern, split_page_part_key
 from lmcache_remote.serde import AUTHENTICATED, HEADER_FIXED, Serde, ValueHeader, header_nbytes
 from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches
 
@@ -123,3 +123,53 @@ def read_header(node: Any, raw: bytes, head: bytes, strlen: int) -> ValueHeader:
             reads.pipe.getrange(raw, 0, need - 1)
             head = bytes(reads.execute()[0])
     return _SERDE.read_header(head)
+
+
+def iter_page_entries(client: Any, prefix: str, model_name: str | None = None,
+                      count: int = DEFAULT_COUNT) -> Iterator[dict[str, Any]]:
+    """The SGLang backend's pages under the prefix (one model namespace's with `model_name`),
+    in SCAN order, as JSON-ready rows: key fields, parts, bytes of all values, tokens, idle
+    time, TTL; read like chunk entries (the header's first bytes, under `CLIENT NO-TOUCH`)."""
+    for node, keys in scan_batches(client, page_scan_pattern(prefix, model_name), count):
+        heads = []
+        for raw in keys:
+            try:
+                key, index = split_page_part_key(prefix, raw)
+            except KeyFormatError:
+                continue
+            if index == 0 and (model_name is None or key.model_name == model_name):
+                heads.append((raw, key))
+        if heads:
+            yield from _page_rows(node, heads)
+
+
+def _page_rows(node: Any, heads: Sequence[tuple[bytes, PageKey]]) -> Iterator[dict[str, Any]]:
+    reads = ReadPipeline(node, heads[0][0])
+    for raw, _ in heads:
+        reads.pipe.object("idletime", raw)
+        reads.pipe.pttl(raw)
+    for raw, _ in heads:
+        reads.pipe.getrange(raw, 0, HEADER_READ - 1)
+        reads.pipe.strlen(raw)
+    replies = reads.execute(raise_on_error=False)
+    n = len(heads)
+    for i, (raw, key) in enumerate(heads):
+        idle, pttl = replies[2 * i: 2 * i + 2]
+        head, strlen = replies[2 * n + 2 * i: 2 * n + 2 * i + 2]
+        if isinstance(pttl, Exception) or isinstance(strlen, Exception) or isinstance(
+                head, Exception) or int(pttl) == -2 or int(strlen) == 0:
+            continue  # gone since SCAN (or unreadable: not listed)
+        row: dict[str, Any] = {
+            "redis_key": raw.decode("utf-8", "surrogateescape"), "model_name": key.model_name,
+            "geometry": key.geometry, "page_hash": key.page_hash, "parts": 1,
+            "bytes": int(strlen), "num_tokens": None,
+            "idle_seconds": None if isinstance(idle, Exception) or idle is None else int(idle),
+            "ttl_seconds": None if int(pttl) < 0 else int(pttl) / 1000, "error": None}
+        try:
+            header = read_header(node, raw, bytes(head), int(strlen))
+        except (CorruptEntryError, ForeignEntryError) as exc:
+            row["error"] = str(exc)
+        else:
+            row.update(parts=header.part_count, num_tokens=header.num_tokens,
+                       bytes=int(strlen) + sum(stored for stored, _ in header.parts[1:]))
+        yield row
