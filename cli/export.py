@@ -14,8 +14,17 @@ from lmcache_remote_cli.transfer import report_transfer
 @common_options
 @filter_options
 @click.argument("file", type=click.Path(dir_okay=False, writable=True))
-def export(cx: CliContext, filter_args: dict[str, Any], file: str) -> None:
+@click.option("--pages", is_flag=True, help="The SGLang HiCache backend's pages instead of "
+              "chunks (--model: one model namespace's); import restores either.")
+def export(cx: CliContext, filter_args: dict[str, Any], file: str, pages: bool) -> None:
     """Write the matching entries (values byte for byte, remaining TTLs) to FILE."""
+    if pages:
+        if any(v is not None for k, v in filter_args.items() if k != "model"):
+            raise click.UsageError("--pages takes --model only")
+        with cx.progress("exporting", unit="pages") as advance:
+            result = cx.admin.export_pages(file, filter_args.get("model"), advance)
+        report_transfer(cx, file, result, "exported to")
+        return
     flt = build_filter(filter_args, cx.config.chunk_size)
     with cx.progress("exporting", unit="entries") as advance:
         result = cx.admin.export(file, flt, advance)

@@ -385,3 +385,25 @@ def test_ls_pages(redis_client: redis.Redis, redis_url: str, key_prefix: str) ->
     human = run(*base)
     assert human.exit_code == 0 and "geometry" in human.stdout
     assert run(*base, "--dtype", "bfloat16").exit_code == 2
+
+
+def test_export_and_import_pages(redis_url: str, key_prefix: str, tmp_path: Path) -> None:
+    """`export --pages` writes one record per page (values byte for byte); `import` restores
+    them under another prefix, where the page store reads them (a value binds its key without
+    the prefix)."""
+    from cliutil import run, run_json
+
+    st = store(redis_url, key_prefix, remote_part_size=4096)
+    ks, data = keys(3), pages(3, seed=8)
+    write(st, ks, data)
+    write(st, [PageKey("other", "mha.p16", "ff" * 32)], pages(1))
+    snap = str(tmp_path / "pages.lmcr")
+    out = run_json("export", "--url", redis_url, "--prefix", key_prefix, "--pages", "--model",
+                   "org/model:v2@f1-00", snap)
+    assert (out["entries"], out["skipped"]) == (3, 0)
+    moved = key_prefix + "m"
+    assert run_json("import", "--url", redis_url, "--prefix", moved, snap)["entries"] == 3
+    served, got = read(store(redis_url, moved, remote_part_size=4096), ks)
+    assert served == [True] * 3 and torch.equal(got[2], data[2])
+    assert run("export", "--url", redis_url, "--prefix", key_prefix, "--pages", "--dtype",
+               "bfloat16", snap).exit_code == 2

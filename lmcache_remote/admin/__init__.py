@@ -43,6 +43,7 @@ from lmcache_remote.admin.snapshot import SnapshotError, SnapshotInfo
 from lmcache_remote.admin.stats import GroupStats, group_stats, memory_info, page_stats
 from lmcache_remote.admin.transfer import (
     TransferResult,
+    export_pages,
     export_snapshot,
     import_snapshot,
     verify_snapshot,
@@ -267,6 +268,13 @@ class CacheAdmin:
                progress: Progress = None) -> TransferResult:
         with _translated(self.url):
             return export_snapshot(self.client, self.prefix, path, flt, progress)
+
+    def export_pages(self, path: str, model_name: str | None = None,
+                     progress: Progress = None) -> TransferResult:
+        """The SGLang backend's pages (all, or one model namespace's) into a snapshot file;
+        `import_` restores them like chunks."""
+        with _translated(self.url):
+            return export_pages(self.client, self.prefix, path, model_name, progress)
 
     def verify(self, path: str, progress: Progress = None) -> SnapshotInfo:
         return verify_snapshot(path, self.prefix, progress)

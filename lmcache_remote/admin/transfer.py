@@ -12,6 +12,9 @@
   for byte as exported; the chunk gets the remaining TTL it had at export time (the shortest
   of its values', which a chunk written by the engine shares anyway). With `skip_existing`
   (what `warm` does) a chunk whose values all exist already is left alone.
+- `export_pages`: the SGLang backend's pages (all, or one model namespace's) the same way,
+  one record per page under its page key; `verify_snapshot` and `import_snapshot` take page
+  records as they take chunk records (a page's values and keys follow the same rules).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from lmcache_remote.admin.entries import Entry, iter_entry_batches
+from lmcache_remote.admin.entries import Entry, iter_entry_batches, iter_page_entries
 from lmcache_remote.admin.filters import EntryFilter
 from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.admin.snapshot import (
@@ -31,7 +34,8 @@ from lmcache_remote.admin.snapshot import (
     SnapshotRecord,
     SnapshotWriter,
 )
-from lmcache_remote.keys import absolute_key, relative_key, split_part_key
+from lmcache_remote.errors import KeyFormatError
+from lmcache_remote.keys import absolute_key, relative_key, split_page_part_key, split_part_key
 from lmcache_remote.storage.redis_commands import chunk_write_command
 
 WINDOW_BYTES = 64 * 1024 * 1024
@@ -89,6 +93,37 @@ def export_snapshot(client: Any, prefix: str, path: str | os.PathLike[str],
     return TransferResult(chunks, nbytes, skipped)
 
 
+def export_pages(client: Any, prefix: str, path: str | os.PathLike[str],
+                 model_name: str | None = None, progress: Progress = None) -> TransferResult:
+    """The SGLang backend's pages under `prefix` (one model namespace's with `model_name`)
+    into a snapshot file: one record per page, its values byte for byte and their TTLs."""
+    pages = nbytes = skipped = 0
+    with SnapshotWriter(path, prefix) as writer:
+        for row in iter_page_entries(client, prefix, model_name):
+            if row["error"] is not None:
+                skipped += 1
+                continue
+            base = row["redis_key"]
+            keys = [base] + [f"{base}#{i}" for i in range(1, int(row["parts"]))]
+            reads = ReadPipeline(client, base)  # GET would refresh every key's LRU clock
+            for key in keys:
+                reads.pipe.get(key)
+                reads.pipe.pttl(key)
+            replies = reads.execute()
+            got = list(zip(replies[::2], replies[1::2], strict=True))
+            if any(v is None or int(t) == -2 for v, t in got):
+                skipped += 1
+                continue
+            values = [bytes(v) for v, _ in got]
+            writer.add(relative_key(prefix, base), values,
+                       [None if int(t) < 0 else int(t) for _, t in got])
+            pages += 1
+            nbytes += sum(len(v) for v in values)
+            if progress is not None:
+                progress(1)
+    return TransferResult(pages, nbytes, skipped)
+
+
 def verify_snapshot(path: str | os.PathLike[str], prefix: str,
                     progress: Progress = None) -> SnapshotInfo:
     """Read the whole file, checking every checksum and key; the info with record counts."""
@@ -103,10 +138,13 @@ def verify_snapshot(path: str | os.PathLike[str], prefix: str,
 def _chunk_key(reader: SnapshotReader, prefix: str, record: SnapshotRecord) -> str:
     key = absolute_key(prefix, record.key)
     try:
-        _, index = split_part_key(prefix, key)
+        try:
+            _, index = split_part_key(prefix, key)
+        except KeyFormatError:  # an SGLang page's record
+            _, index = split_page_part_key(prefix, key)
     except ValueError as exc:  # KeyFormatError, or a malformed number
         raise SnapshotError(
-            reader.path, record.offset, f"record key is not a chunk key: {exc}"
+            reader.path, record.offset, f"record key is not a chunk or page key: {exc}"
         ) from None
     if index != 0:
         raise SnapshotError(reader.path, record.offset, "record key is a part key")
