@@ -400,3 +400,33 @@ def test_check_remote_on_an_unreachable_cluster_raises_a_library_error(key_prefi
         t = toks(1)
         e.store(t, det_kv(t))
         assert e.lookup(t) == len(t)  # the local tier
+
+
+def test_a_user_without_touch_serves_the_cache_with_the_lru_refresh_off(
+        acl_server: RedisServer, key_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An ACL user from before the LRU refresh (no +touch): the engine still starts and serves
+    the cache, says once why its refresh is off, and sends no TOUCH; `ping` warns; with
+    `remote_lru_touch: false` nothing is said. With +touch the refresh stays on."""
+    rules = [f"+{cmd}" for cmd in (*ENGINE_COMMANDS, *ADMIN_COMMANDS) if cmd != "touch"]
+    url = acl_user(acl_server, "old", f"~{key_prefix}:*", *rules)
+    caplog.set_level(logging.WARNING, logger="lmcache_remote")
+    t = list(range(512))
+    with engine(url, key_prefix, store_async=False) as e:
+        e.check_remote()
+        assert e.storage.remote is not None and e.storage.remote.toucher is None
+        assert e.store(t, det_kv(t)) == len(t)
+        assert e.lookup(t) == len(t)
+        assert e.stats()["remote"].get("errors", 0) == 0
+        assert "touched_keys" not in e.stats()["remote"]
+    assert sum("may not TOUCH" not in r.getMessage() and "refuses TOUCH" in r.getMessage()
+               for r in caplog.records) == 1
+    result = run("ping", "--url", url, "--prefix", key_prefix, "--json")
+    assert result.exit_code == 0 and "may not TOUCH" in result.stdout
+    caplog.clear()
+    with engine(url, key_prefix, remote_lru_touch=False) as quiet:
+        quiet.check_remote()
+    assert not any("TOUCH" in r.getMessage() for r in caplog.records)
+    full = acl_user(acl_server, "new", f"~{key_prefix}:*", *cache_rules())
+    with engine(full, key_prefix) as e:
+        e.check_remote()
+        assert e.storage.remote is not None and e.storage.remote.toucher is not None

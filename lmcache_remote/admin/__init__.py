@@ -129,9 +129,13 @@ class CacheAdmin:
         with _translated(self.url):
             info = server_info(self.client, self.config.remote_ttl)
         try:
-            check_access(self.config)
+            optional = check_access(self.config)
         except BackendPermissionError as exc:
             return dataclasses.replace(info, access=mask_url(str(exc)))
+        if "touch" in optional:
+            info = dataclasses.replace(info, warnings=(
+                *info.warnings, "this user may not TOUCH: engines turn their LRU refresh off "
+                "(add +touch to the ACL user, or set remote_lru_touch: false)"))
         return info
 
     def stats(self, flt: EntryFilter | None = None, progress: Progress = None) -> dict[str, Any]:

@@ -5,8 +5,9 @@ every retrieve a miss; counted, but easy to mistake for a cold cache. `check_acc
 tells at once: on a connection of its own (never the engine's health gate), bounded by
 `remote_timeout`, it sends one pipeline: PING, then MSET, SET PX, EVAL (write with expiry),
 EXISTS, GET, GETRANGE and UNLINK on a probe key under the prefix (`keys.probe_key`, written
-and deleted in the same round trip, with a 10 s expiry in case the UNLINK never runs). It
-raises
+and deleted in the same round trip, with a 10 s expiry in case the UNLINK never runs), and
+TOUCH when `remote_lru_touch` is on (a refused TOUCH is returned, not raised: the engine then
+turns its LRU refresh off with a WARNING). It raises
 
 - `BackendPermissionError` naming every refused command (or the failed login), with the
   redis-py message (never the password);
@@ -43,10 +44,15 @@ ADMIN_COMMANDS = ("scan", "strlen", "object|idletime", "pttl", "mget", "hgetall"
 ADMIN_NO_TOUCH = ("client|no-touch",)
 _PROBE_TTL_MS = 10_000
 _PROBE = ("mset", "set", "eval", "exists", "get", "getrange", "unlink")
+#: Probed after `_PROBE` when the config uses them; refused, they turn a feature off.
+_OPTIONAL = ("touch",)
 
 
-def check_access(config: CacheConfig) -> None:
-    """Raise a `BackendError` subclass unless Redis lets this client use the cache; see above."""
+def check_access(config: CacheConfig) -> list[str]:
+    """Raise a `BackendError` subclass unless Redis lets this client use the cache; see above.
+    Returns the optional commands Redis refused (`TOUCH`, probed when `remote_lru_touch` is
+    on: the cache works without it, only the LRU refresh does not); the caller turns off
+    what needs them and says so."""
     where = "redis"
     client = None
     try:
@@ -54,7 +60,7 @@ def check_access(config: CacheConfig) -> None:
         try:
             client = make_client(config)  # a cluster client connects here
             client.ping()
-            results = _probe(client, key)
+            results = _probe(client, key, touch=config.remote_lru_touch)
         except BackendError:
             raise
         except (redis.RedisError, OSError) as exc:
@@ -62,6 +68,8 @@ def check_access(config: CacheConfig) -> None:
         except Exception as exc:  # redis-py's cluster errors are no RedisError
             raise BackendUnavailableError(
                 f"{where}: {type(exc).__name__}: {mask_url(str(exc))}") from exc
+        optional = results[len(_PROBE):]
+        results = results[:len(_PROBE)]
         refused = [(cmd, r) for cmd, r in zip(_PROBE, results, strict=True)
                    if isinstance(r, Exception)]
         if refused:
@@ -70,12 +78,14 @@ def check_access(config: CacheConfig) -> None:
             cls = BackendPermissionError if isinstance(first, BackendPermissionError) \
                 else BackendError
             raise cls(f"{where}: key prefix {config.key_prefix!r}: refused {names}: {first}")
+        return [cmd for cmd, r in zip(_OPTIONAL, optional, strict=False)
+                if isinstance(r, Exception)]
     finally:
         if client is not None:
             client.close()
 
 
-def _probe(client: Any, key: str) -> list[Any]:
+def _probe(client: Any, key: str, touch: bool = False) -> list[Any]:
     pipe = client.pipeline(transaction=False)
     pipe.execute_command("MSET", key, b"lmcr-probe")  # .mset() is refused in cluster pipelines
     pipe.set(key, b"lmcr-probe", px=_PROBE_TTL_MS)
@@ -84,4 +94,6 @@ def _probe(client: Any, key: str) -> list[Any]:
     pipe.get(key)
     pipe.getrange(key, 0, 79)
     pipe.unlink(key)
+    if touch:
+        pipe.touch(key)  # after the unlink: refreshes nothing, only asks for the right
     return list(pipe.execute(raise_on_error=False))

@@ -403,7 +403,13 @@ class StorageManager:
         forgets past failures."""
         if self.remote is None:
             return
-        check_access(self.config)
+        if "touch" in check_access(self.config) and self.remote.toucher is not None:
+            self.remote.stop_touching()
+            self._log.warning(
+                "acl-touch", "Redis refuses TOUCH to this user: the LRU refresh of chunks a "
+                "lookup promises or the local tier serves is off (Redis may evict the hottest "
+                "prefixes first); add +touch to the ACL user (docs/reliability.md), or set "
+                "remote_lru_touch: false to say so")
         self.remote.check_bulk()
         self.remote.gate.reset()
 

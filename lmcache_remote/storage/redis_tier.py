@@ -491,6 +491,13 @@ class RedisTier(StorageTier):
         if self.toucher is not None:
             self.toucher.note([key for spec in specs for key in self._keys(spec)])
 
+    def stop_touching(self) -> None:
+        """No more LRU refreshes (the ACL user may not TOUCH): the toucher closes, nothing
+        more is noted."""
+        toucher, self.toucher = self.toucher, None
+        if toucher is not None:
+            toucher.close()
+
     def _send_touches(self, commands: list[tuple[Any, ...]]) -> None:
         def op() -> list[Any]:
             if self.wire is not None:
