@@ -24,7 +24,7 @@
 #      LMCR_SKIP_VLLM=1 skips steps 4 and 5 (it says so);
 #   6. the SGLang HiCache backend inside SGLang's own cache controller and host pools
 #      (tests/sglang_hicache/): a side environment with sglang==0.5.23 on the torch 2.13.0 CPU
-#      wheel (about 2-3 minutes to build once, then reused), then pytest there with its
+#      wheel (about 2 minutes to build once, then reused), then pytest there with its
 #      python; LMCR_SGLANG_PYTEST_ARGS replaces that run's arguments. LMCR_SKIP_SGLANG=1
 #      skips it (it says so).
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free
