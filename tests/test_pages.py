@@ -407,3 +407,25 @@ def test_export_and_import_pages(redis_url: str, key_prefix: str, tmp_path: Path
     assert served == [True] * 3 and torch.equal(got[2], data[2])
     assert run("export", "--url", redis_url, "--prefix", key_prefix, "--pages", "--dtype",
                "bfloat16", snap).exit_code == 2
+
+
+def test_pages_on_a_redis_cluster(key_prefix: str) -> None:
+    """A `redis+cluster://` URL: pages (in parts, every part on its page's slot thanks to the
+    hash tag) spread over the masters, are counted, read back exact, deleted and cleared."""
+    from tests.cluster_servers import ClusterServers
+    from tests.servers import RedisServer
+
+    cluster = ClusterServers(3, 0, RedisServer).start()
+    try:
+        st = store(cluster.url, key_prefix, remote_part_size=4096)
+        ks, data = keys(12), pages(12, seed=9)
+        assert write(st, ks, data) == [True] * 12 and st.present(ks) == 12
+        served, got = read(st, ks)
+        assert served == [True] * 12 and all(torch.equal(got[i], data[i]) for i in range(12))
+        holders = [m for m in cluster.masters
+                   if list(m.client().scan_iter(match=f"{key_prefix}:hc1:*", count=1000))]
+        assert len(holders) > 1  # spread over the masters
+        assert st.delete(ks[:2]) == 2
+        assert st.clear() == 10 * st.nparts and st.present(ks) == 0
+    finally:
+        cluster.stop()
