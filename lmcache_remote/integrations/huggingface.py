@@ -114,19 +114,17 @@ def engine_metadata(
 
 
 def _fingerprint(config: Any, dtype: torch.dtype, setting: str, name: str) -> str | None:
+    if setting != "auto":  # "off" or an explicit string: no files are looked for
+        return resolve_fingerprint(setting, lambda: "")
     source = str(getattr(config, "name_or_path", "") or "")
     folder = model_folder(source) if source else None
-    if folder is None and setting == "auto":
+    if folder is None:
         logger.warning("model %s has no files to fingerprint (built from a config?): its "
                        "cache keys name it by model_name alone", name)
         return None
     # (loaded from files: quantization applied at load time shows in the config, which the
     # fingerprint covers; bitsandbytes keeps a quantization_config there too)
-    def compute() -> str:
-        assert folder is not None  # "auto" without a folder returned above
-        return model_fingerprint(folder, kv_dtype=dtype_name(dtype))
-
-    return resolve_fingerprint(setting, compute)
+    return model_fingerprint(folder, kv_dtype=dtype_name(dtype))
 
 
 @dataclasses.dataclass

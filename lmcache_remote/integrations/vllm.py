@@ -308,12 +308,13 @@ class LmcrConnector(KVConnectorBase_V1):
         """What changed since the last step: a worker's loads and stores, or the scheduler's
         lookups and promises; vLLM sums them over every rank and the scheduler."""
         if self._stats is None:
-            sources = ([self._scheduler.metrics] if self._scheduler is not None else []) + \
-                ([self._lookup.metrics] if self._lookup is not None else [])
-            if self._worker is not None:
+            if self._worker is not None:  # a worker: its engine's, once the caches are in
                 if self._worker.engine is None:
                     return None
                 sources = [self._worker.engine.metrics]
+            else:  # the scheduler: its plans' and its lookup's
+                assert self._lookup is not None
+                sources = [self._scheduler_side().metrics, self._lookup.metrics]
             self._stats = connector_stats.StatsDelta(sources)
         data = self._stats.take()
         return None if connector_stats.is_empty(data) else LmcrConnectorStats(data=data)
@@ -493,10 +494,10 @@ def model_namespace(settings: ConnectorSettings, vllm_config: Any) -> str:
     the same files). Logged once per process at INFO."""
     model_config = vllm_config.model_config
     source = str(model_config.model)
-    folder = model_folder(source, getattr(model_config, "revision", None))
     name = settings.model_name or model_name_of(source)
 
-    def compute() -> str:
+    def compute() -> str:  # only for "auto": the files are looked for then, not before
+        folder = model_folder(source, getattr(model_config, "revision", None))
         if folder is None:
             raise FingerprintError(
                 f"cannot find the files of model {source!r} to fingerprint them: set "
