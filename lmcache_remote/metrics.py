@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 #: Upper bounds (seconds) of the latency histogram buckets; +Inf is implied.
@@ -35,6 +36,15 @@ class Histogram:
     counts: list[int]
     total: float = 0.0
     count: int = 0
+
+
+def summed_counters(sources: Iterable[Metrics]) -> dict[str, float]:
+    """Every counter of `sources`, added up by name."""
+    out: dict[str, float] = defaultdict(float)
+    for metrics in sources:
+        for name, value in metrics.counters().items():
+            out[name] += value
+    return dict(out)
 
 
 class Metrics:

@@ -23,6 +23,7 @@ import re
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.keys import engine_stats_key
@@ -56,6 +57,17 @@ PUBLISHED_COUNTERS = {
     "remote_unauthenticated_chunks": "remote.unauthenticated_chunks",
     "duplicate_writes_skipped": "remote.duplicate_writes_skipped",
 }
+
+
+def counter_fields(counters: Mapping[str, float], names: Mapping[str, str]
+                   ) -> dict[str, FieldValue]:
+    """Published field -> the value of the counter `names[field]` (0 when it never counted;
+    whole numbers as ints)."""
+    out: dict[str, FieldValue] = {}
+    for field, name in names.items():
+        value = counters.get(name, 0)
+        out[field] = int(value) if float(value).is_integer() else value
+    return out
 
 
 def _host() -> str:
@@ -99,11 +111,8 @@ class EngineReporter:
                                config.metrics_port, exc)
 
     def published_fields(self) -> dict[str, FieldValue]:
-        counters = self.metrics.counters()
         fields = dict(self._identity)
-        for field, name in PUBLISHED_COUNTERS.items():
-            value = counters.get(name, 0)
-            fields[field] = int(value) if float(value).is_integer() else value
+        fields.update(counter_fields(self.metrics.counters(), PUBLISHED_COUNTERS))
         fields["updated_at"] = round(time.time(), 3)
         return fields
 

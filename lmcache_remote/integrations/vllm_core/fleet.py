@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.keys import engine_stats_key
-from lmcache_remote.metrics import Metrics
-from lmcache_remote.reporting import new_engine_id
+from lmcache_remote.metrics import Metrics, summed_counters
+from lmcache_remote.reporting import counter_fields, new_engine_id
 from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
 from lmcache_remote.storage.redis_tier import RedisTier
 
@@ -53,15 +53,9 @@ class SchedulerPublisher:
             config.stats_publish_interval, self.fields, self.metrics, threaded=False)
 
     def fields(self) -> dict[str, FieldValue]:
-        counters: dict[str, float] = {}
-        for metrics in self._sources:
-            for name, value in metrics.counters().items():
-                counters[name] = counters.get(name, 0) + value
         out = dict(self._identity)
         out["model_name"] = self._namespace()
-        for field, name in SCHEDULER_COUNTERS.items():
-            value = counters.get(name, 0)
-            out[field] = int(value) if float(value).is_integer() else value
+        out.update(counter_fields(summed_counters(self._sources), SCHEDULER_COUNTERS))
         out["updated_at"] = round(time.time(), 3)
         return out
 

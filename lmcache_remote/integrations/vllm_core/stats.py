@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics
+from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics, summed_counters
 
 __all__ = ["COUNTERS", "LATENCIES", "PREFIX", "StatsDelta", "aggregate", "is_empty",
            "prometheus_names", "reduce"]
@@ -68,11 +68,9 @@ class StatsDelta:
         self._buckets: dict[str, list[int]] = {}
 
     def take(self) -> dict[str, Any]:
-        counters: dict[str, float] = {}
+        counters = summed_counters(self._sources)
         hists: dict[str, list[int]] = {}
         for metrics in self._sources:
-            for name, value in metrics.counters().items():
-                counters[name] = counters.get(name, 0) + value
             for name, hist in metrics.histograms().items():
                 have = hists.setdefault(name, [0] * len(hist.counts))
                 hists[name] = [a + b for a, b in zip(have, hist.counts, strict=True)]
