@@ -248,23 +248,15 @@ class RedisHiCacheStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
-        start = time.perf_counter()
-        try:
-            store, regions = self._pages, self._regions
-            page_keys = self._keys(keys, getattr(self, "_pages_geometry", ""))
-            if store is None or regions is None or page_keys is None:
-                return [False] * len(keys)
-            pages = regions.pages(host_indices, len(keys))
-            served = store.read(page_keys, lambda i, page: regions.scatter(pages[i], page),
-                                places=lambda i: [r.numpy().data for r in pages[i]])
-        except Exception as exc:  # noqa: BLE001
-            return self._error("get", exc, [False] * len(keys))
-        self._note("prefetch", sum(served), start, store.page_nbytes)
-        self._count("retrieve", len(keys), sum(served), store.page_tokens)
-        return served
+        return self._v1(False, keys, host_indices)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
+        return self._v1(True, keys, host_indices)
+
+    def _v1(self, write: bool, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """`batch_set_v1` (`write`) or `batch_get_v1`: the pages' host pool regions straight to
+        or from Redis; per page, whether it landed / was served."""
         start = time.perf_counter()
         try:
             store, regions = self._pages, self._regions
@@ -272,13 +264,18 @@ class RedisHiCacheStorage(HiCacheStorage):
             if store is None or regions is None or page_keys is None:
                 return [False] * len(keys)
             pages = regions.pages(host_indices, len(keys))
-            landed = store.write(page_keys, lambda i, page: regions.gather(pages[i], page),
-                                 places=lambda i: [r.numpy().data for r in pages[i]])
-        except Exception as exc:  # noqa: BLE001
-            return self._error("set", exc, [False] * len(keys))
-        self._note("backup", sum(landed), start, store.page_nbytes)
-        self._count("store", len(keys), sum(landed), store.page_tokens)
-        return landed
+            places = lambda i: [r.numpy().data for r in pages[i]]  # noqa: E731
+            if write:
+                done = store.write(page_keys, lambda i, page: regions.gather(pages[i], page),
+                                   places=places)
+            else:
+                done = store.read(page_keys, lambda i, page: regions.scatter(pages[i], page),
+                                  places=places)
+        except Exception as exc:  # noqa: BLE001 - never into SGLang
+            return self._error("set" if write else "get", exc, [False] * len(keys))
+        self._note("backup" if write else "prefetch", sum(done), start, store.page_nbytes)
+        self._count("store" if write else "retrieve", len(keys), sum(done), store.page_tokens)
+        return done
 
     # -- the generic interface (interface_v1 off): flat page tensors ------------------------
 
