@@ -105,6 +105,34 @@ def test_windows_bound_a_call_and_keep_the_order(redis_url: str, key_prefix: str
     assert served == [True] * 5 and all(torch.equal(got[i], data[i]) for i in range(5))
 
 
+def test_staging_stays_within_the_memory_budget(redis_url: str, key_prefix: str) -> None:
+    """Staging comes from one pool bounded by max_local_cpu_size: windows no larger than the
+    budget, its buffers reused; a call that finds the budget held by another is cut short,
+    counted, without raising, and goes on once the memory is back."""
+    budget = 3 * 12000  # three pages
+    config = load_config(remote_url=redis_url, key_prefix=key_prefix,
+                         max_local_cpu_size=budget / 2**30, remote_read_lanes=1,
+                         remote_write_lanes=1)
+    st = PageStore(config, SHAPE, torch.bfloat16, 16)  # 32 MiB windows asked for
+    ks, data = keys(8), pages(8, seed=3)
+    assert write(st, ks, data) == [True] * 8
+    served, got = read(st, ks)
+    assert served == [True] * 8 and all(torch.equal(got[i], data[i]) for i in range(8))
+    assert 0 < st.pool.held_bytes <= budget and st.pool.used_bytes == 0
+    assert st.metrics.get("pages.budget_short") == 0
+    other_call = st.pool.allocate((3, *SHAPE), torch.bfloat16)  # the whole budget, held
+    assert other_call is not None
+    assert read(st, ks)[0] == [False] * 8
+    assert write(st, keys(8, geometry="mha.page-first.bfloat16.p16.tp0of1.r2x6000.b"),
+                 data) == [False] * 8
+    assert st.metrics.get("pages.budget_short") == 2
+    other_call.release()
+    served, got = read(st, ks)
+    assert served == [True] * 8 and torch.equal(got[7], data[7])
+    st.close()
+    assert st.pool.held_bytes == 0
+
+
 @pytest.mark.parametrize("lanes", [1, 4])
 def test_a_missing_page_cuts_the_read_on_every_lane(redis_client: redis.Redis, redis_url: str,
                                                     key_prefix: str, lanes: int) -> None:

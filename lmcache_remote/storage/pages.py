@@ -37,7 +37,12 @@ trip.
 - Bounds: every public call runs under one deadline, `remote_timeout` for the whole call
   (`storage.deadline`, honoured by the bulk wire on every wait), through `RemoteCaller` (one
   retry on a broken connection, a health gate that skips a dead server at once). Bytes in
-  flight: about `WINDOW_BYTES` of staging, plus the encoded values for a compressing codec.
+  flight: about `WINDOW_BYTES` of staging per call, plus the encoded values for a compressing
+  codec. Staging comes from one `MemoryPool` per store bounded by `max_local_cpu_size` (the
+  project's memory budget; windows are never larger than it), its buffers reused call after
+  call: when calls at once would pass the bound, the window that finds no room is cut short
+  (a read serves the pages before it, a write reports its pages False), counted
+  (`pages.budget_short`) and logged. Reads and writes in place take no staging.
 - Errors: `present`, `write` and `read` never raise for a remote failure: they count it
   (`pages.errors`), log it (rate-limited) and answer 0 / all False / a shorter prefix.
 """
@@ -65,6 +70,7 @@ from lmcache_remote.errors import (
 )
 from lmcache_remote.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.keys import PageKey, page_scan_pattern
+from lmcache_remote.memory import MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.native import wire as _native_wire
 from lmcache_remote.serde import (
@@ -101,6 +107,20 @@ PageCopy = Callable[[int, torch.Tensor], None]
 PagePlaces = Callable[[int], list[memoryview]]
 
 
+class _Staging:
+    """The staging of one window: a pool buffer per page (``objs``) and their page tensors."""
+
+    __slots__ = ("objs", "pages")
+
+    def __init__(self, objs: list[MemoryObj]) -> None:
+        self.objs = objs
+        self.pages = [obj.tensor for obj in objs]
+
+    def release(self) -> None:
+        for obj in self.objs:
+            obj.release()
+
+
 class PageStore:
     """Pages of one geometry (``page_shape``, ``dtype``, ``page_tokens``) under page keys."""
 
@@ -123,7 +143,9 @@ class PageStore:
         self.caller = RemoteCaller(config.remote_timeout, self.gate, "redis pages")
         self.timeout = config.remote_timeout
         self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
-        self._window_bytes = window_bytes
+        # Staging within the budget: one pool, a window never larger than the bound.
+        self.pool = MemoryPool(config.max_local_cpu_bytes)
+        self._window_bytes = max(1, min(window_bytes, config.max_local_cpu_bytes))
         self._lanes: ThreadPoolExecutor | None = None
         self._lanes_lock = threading.Lock()
         self._longest = longest_value(self.page_nbytes)
@@ -246,9 +268,23 @@ class PageStore:
     def _read_window(self, keys: Sequence[PageKey], window: range, drain: PageCopy,
                      places: PagePlaces | None = None) -> tuple[int, int]:
         """(leading pages of ``window`` read, checked and drained; the window's pages)."""
-        staging = None if places is not None else self._staging(len(window))
+        held = None
+        if places is None:
+            held = self._staging(len(window), "read")
+            if held is None:
+                return 0, len(window)
+        try:
+            return self._read_window_into(keys, window, drain, places, held)
+        finally:
+            if held is not None:
+                held.release()
+
+    def _read_window_into(self, keys: Sequence[PageKey], window: range, drain: PageCopy,
+                          places: PagePlaces | None, held: _Staging | None
+                          ) -> tuple[int, int]:
+        staging = None if held is None else held.pages
         dests = ([places(i) for i in window] if places is not None else
-                 [[_bytes_of(page)] for page in staging])  # type: ignore[union-attr]
+                 [[obj.raw_view()] for obj in held.objs])  # type: ignore[union-attr]
         try:
             values, digests = self._fetch([keys[i] for i in window], dests)
         except BackendError as exc:
@@ -315,11 +351,17 @@ class PageStore:
         except BackendError as exc:
             self._failed("read", exc)
             return False
-        page = self._staging(1)[0]
-        if not self._decode(key, list(values), page, [None] * len(values)):
+        held = self._staging(1, "read")
+        if held is None:
             return False
-        drain(index, page)
-        return True
+        try:
+            page = held.pages[0]
+            if not self._decode(key, list(values), page, [None] * len(values)):
+                return False
+            drain(index, page)
+            return True
+        finally:
+            held.release()
 
     # -- housekeeping -----------------------------------------------------------------------
 
@@ -354,6 +396,7 @@ class PageStore:
             lanes, self._lanes = self._lanes, None
         if lanes is not None:
             lanes.shutdown(wait=True)
+        self.pool.trim()
         try:
             self.client.close()
         except Exception as exc:  # noqa: BLE001 - closing must not fail a shutdown
@@ -361,8 +404,24 @@ class PageStore:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _staging(self, pages: int) -> torch.Tensor:
-        return torch.empty((pages, *self.page_shape), dtype=self.dtype)
+    def _staging(self, pages: int, what: str) -> _Staging | None:
+        """Staging for ``pages`` pages from the budget's pool, a buffer a page (one size for
+        the pool to reuse, whatever a window's page count); the caller releases it. None,
+        counted and logged, when the calls in flight hold the budget already."""
+        held: list[MemoryObj] = []
+        for _ in range(pages):
+            obj = self.pool.allocate(self.page_shape, self.dtype)
+            if obj is None:
+                for got in held:
+                    got.release()
+                self.metrics.inc("pages.budget_short")
+                self._log.warning(
+                    "budget", "page %s cut short: the staging of the calls in flight fills "
+                    "max_local_cpu_size (%d bytes); raise it for more calls at once",
+                    what, self.pool.max_bytes)
+                return None
+            held.append(obj)
+        return _Staging(held)
 
     def _run(self, commands: Sequence[Sequence[Any]], seals: Sequence[Seal | None] | None = None
              ) -> list[Any]:
@@ -384,7 +443,13 @@ class PageStore:
             if places is not None:
                 self._send_in_place(keys, window, places)
             else:
-                self._send_window(keys, window, self._staging(len(window)), fill)
+                held = self._staging(len(window), "write")
+                if held is None:
+                    return False
+                try:
+                    self._send_window(keys, window, held.pages, fill)
+                finally:
+                    held.release()
         except BackendError as exc:
             self._failed("write", exc)
             return False
@@ -410,8 +475,8 @@ class PageStore:
         self.metrics.inc("pages.written_bytes",
                          len(window) * (self.page_nbytes + header_nbytes(self.nparts)))
 
-    def _send_window(self, keys: Sequence[PageKey], window: range, staging: torch.Tensor,
-                     fill: PageCopy) -> None:
+    def _send_window(self, keys: Sequence[PageKey], window: range,
+                     staging: Sequence[torch.Tensor], fill: PageCopy) -> None:
         commands: list[tuple[Any, ...]] = []
         seals: list[Seal | None] = []
         nbytes = 0
@@ -630,11 +695,6 @@ def _xxh3_of(pieces: Sequence[memoryview]) -> int:
     for piece in pieces:
         digest.update(piece)
     return int(digest.intdigest())
-
-
-def _bytes_of(page: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes as a flat writable memoryview, without a copy."""
-    return page.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _unlinker(client: Any, names: list[Any]) -> Callable[[], Any]:
