@@ -102,7 +102,7 @@ def snapshot_project(work: Path, attempts: int = 20) -> tuple[Path, str]:
     Returns the folder to put first on the engines' PYTHONPATH and the copy's digest."""
     setup = ("from setuptools import Extension, setup; setup(ext_modules=[Extension("
              "'lmcache_remote._wire', ['lmcache_remote/_wire.c'], extra_compile_args=['-O2'])])")
-    check = ("import lmcache_remote.integrations.vllm, lmcache_remote.storage.wire as w; "
+    check = ("import lmcache_remote.integrations.vllm, lmcache_remote.storage.bulk as w; "
              "assert w.NATIVE, 'the native _wire did not load'")
     for attempt in range(attempts):
         snap = work / f"project-{attempt}"

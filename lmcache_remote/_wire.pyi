@@ -1,4 +1,4 @@
-"""Types of the native receive loop (lmcache_remote/_wire.c); see storage/wire.py."""
+"""Types of the native receive loop (lmcache_remote/_wire.c); see storage/bulk.py."""
 
 from collections.abc import Callable
 from typing import Any

@@ -78,11 +78,11 @@ def masked_config(config: CacheConfig) -> dict[str, object]:
 def native_state() -> str:
     """``on`` or ``off (why)`` for the receive loop, and the same for the row copier."""
     from lmcache_remote import connectors
-    from lmcache_remote.storage import wire
+    from lmcache_remote.storage import bulk
 
     if native.wire is None:
         return f"native loop off, native rows off (C extension not built: {native.IMPORT_ERROR})"
-    loop = "on" if wire.NATIVE else "off (LMCR_NATIVE_WIRE=0)"
+    loop = "on" if bulk.NATIVE else "off (LMCR_NATIVE_WIRE=0)"
     rows = "on" if connectors.NATIVE_ROWS else "off (LMCR_NATIVE_ROWS=0)"
     return f"native loop {loop}, native rows {rows}"
 

@@ -1,4 +1,4 @@
-"""The bulk RESP executor (storage/wire.py) against real servers: replies of every kind, error
+"""The bulk RESP executor (storage/bulk.py) against real servers: replies of every kind, error
 replies per command, values received in place, and connections that time out or break.
 
 Every test that reads replies runs twice, once with the Python reader and once with the native
@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from servers import RedisServer
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.storage import wire as wire_mod
+from lmcache_remote.storage import bulk as wire_mod
+from lmcache_remote.storage.bulk import Arena, ArenaPool, BulkPipeline, pack, supports
 from lmcache_remote.storage.client import client_kwargs
 from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
-from lmcache_remote.storage.wire import Arena, ArenaPool, BulkPipeline, pack, supports
 
 
 @pytest.fixture(params=[False, True], ids=["python", "native"])
@@ -616,7 +616,7 @@ def test_send_buffers_sends_every_byte_in_order_across_partial_sends() -> None:
     """More buffers than one sendmsg takes, empty ones among them, and more bytes than the
     socket buffer holds (so sendmsg returns partial counts): the peer reads exactly their
     concatenation."""
-    from lmcache_remote.storage.wire import send_buffers
+    from lmcache_remote.storage.bulk import send_buffers
 
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)

@@ -82,6 +82,7 @@ from lmcache_remote.serde import (
     header_nbytes,
     header_seal,
 )
+from lmcache_remote.storage.bulk import BulkPipeline, Seal, supports
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.health import HealthGate
@@ -94,7 +95,6 @@ from lmcache_remote.storage.redis_commands import (
     value_nbytes,
 )
 from lmcache_remote.storage.redis_tier import longest_value
-from lmcache_remote.storage.wire import BulkPipeline, Seal, supports
 
 logger = logging.getLogger(__name__)
 

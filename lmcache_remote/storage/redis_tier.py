@@ -79,6 +79,14 @@ from lmcache_remote.serde import (
 )
 from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage.base import StorageTier
+from lmcache_remote.storage.bulk import (
+    ArenaPool,
+    BulkPipeline,
+    Reply,
+    Seal,
+    pack_command,
+    supports,
+)
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.health import HealthGate
@@ -94,14 +102,6 @@ from lmcache_remote.storage.redis_commands import (
     value_nbytes,
 )
 from lmcache_remote.storage.toucher import Toucher
-from lmcache_remote.storage.wire import (
-    ArenaPool,
-    BulkPipeline,
-    Reply,
-    Seal,
-    pack_command,
-    supports,
-)
 
 logger = logging.getLogger(__name__)
 #: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
