@@ -1,6 +1,6 @@
 """`lmcache-remote demo`: two transformers engines sharing one Redis, TTFT with and without.
 
-The work is `lmcache_remote.integrations.demo.run_demo`; this module parses options and prints
+The work is `demo_run.run_demo`; this module parses options and prints
 its report (a rich table, or one JSON document with `--json`). With no Redis answering at the
 configured URL it starts a private server for the run; with no server binary either it exits
 3 saying how to get one.
@@ -35,7 +35,7 @@ from lmcache_remote.config import CacheConfig, load_config
 def demo(cx: CliContext, model_path: str | None, model_name: str | None, requests: int,
          prefix_tokens: int, question_tokens: int, seed: int, rounds: int, keep: bool) -> None:
     """Time to first token without the cache, cold, and warm from another engine."""
-    from lmcache_remote.integrations.demo import DemoOptions, run_demo
+    from lmcache_remote_cli.demo_run import DemoOptions, run_demo
 
     options = DemoOptions(model_path=model_path, model_name=model_name, requests=requests,
                           prefix_tokens=prefix_tokens, question_tokens=question_tokens,

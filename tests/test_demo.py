@@ -9,15 +9,14 @@ from pathlib import Path
 import pytest
 import redis
 from click.testing import CliRunner, Result
-from lmcache_remote_cli.main import cli
-from servers import free_port, listen_addresses
-
-from lmcache_remote.integrations.embedded import (
+from lmcache_remote_cli.embedded import (
     EmbeddedServer,
     ServerUnavailableError,
     find_server,
     ping,
 )
+from lmcache_remote_cli.main import cli
+from servers import free_port, listen_addresses
 
 ROUNDS = 2
 SMALL = ["--requests", "2", "--prefix-tokens", "200", "--question-tokens", "8",

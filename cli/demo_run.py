@@ -45,11 +45,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lmcache_remote_cli.embedded import EmbeddedServer, ping
 
 from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.engine import CacheEngine
 from lmcache_remote.errors import ConfigError
-from lmcache_remote.integrations.embedded import EmbeddedServer, ping
 from lmcache_remote.integrations.huggingface import CachedLM, engine_metadata
 from lmcache_remote.keys import prefix_pattern, scan_pattern, split_part_key
 from lmcache_remote.serde import dtype_name
