@@ -56,7 +56,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Generator
 from types import TracebackType
 from typing import Any
@@ -66,92 +65,27 @@ import torch
 from lmcache_remote import startup
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.connectors import KVView
+from lmcache_remote.engine_metadata import EngineMetadata, key_namespace
 from lmcache_remote.errors import (
     BackendPermissionError,
     BackendTimeoutError,
     BackendUnavailableError,
 )
-from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase, tokens_to_array
-from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import ChunkLayout, MemoryObj
+from lmcache_remote.hashing import ChunkSpec, TokenDatabase, tokens_to_array
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.promises import PromiseLedger
 from lmcache_remote.reporting import EngineReporter
-from lmcache_remote.serde import dtype_name
 from lmcache_remote.storage.connections import engine_connections
-from lmcache_remote.storage.manager import StorageManager, StorePlan
+from lmcache_remote.storage.manager import StorageManager
+from lmcache_remote.store_batch import StoreBatch, present
+
+__all__ = ["CacheEngine", "EngineMetadata"]
 
 logger = logging.getLogger(__name__)
-#: Recent lookups remembered to check that the retrieve that follows keeps their promise.
-_PROMISES_KEPT = 4096
 #: Counters that say why a retrieve delivered less than its lookup promised.
 _BREAK_REASONS = ("memory.no_room_chunks", "remote.pool_full", "remote.miss_chunks",
                   "remote.incomplete_chunks", "remote.corrupt_chunks", "remote.foreign_chunks",
                   "remote.unauthenticated_chunks", "remote.errors")
-
-
-class PromiseLedger:
-    """What recent lookups promised: the key of a lookup's last hit chunk -> the token where
-    that hit ends. A retrieve of the same prefix that stops before it broke the promise.
-    Bounded (oldest forgotten first) and thread-safe."""
-
-    def __init__(self, size: int = _PROMISES_KEPT) -> None:
-        self._ends: OrderedDict[CacheEngineKey, int] = OrderedDict()
-        self._size = size
-        self._lock = threading.Lock()
-
-    def promise(self, spec: ChunkSpec) -> None:
-        with self._lock:
-            self._ends[spec.key] = spec.end
-            self._ends.move_to_end(spec.key)
-            if len(self._ends) > self._size:
-                self._ends.popitem(last=False)
-
-    def broken(self, specs: list[ChunkSpec], delivered: int) -> int:
-        """Tokens a retrieve of `specs` that delivered its first `delivered` chunks owed to a
-        lookup (0 when none promised more); the promise is settled either way."""
-        owed_end = 0
-        with self._lock:
-            for spec in specs:
-                end = self._ends.pop(spec.key, None)
-                if end is not None:
-                    owed_end = max(owed_end, end)
-        got_end = specs[delivered - 1].end if delivered else specs[0].start
-        return max(0, owed_end - got_end)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineMetadata:
-    """What the engine is: its model, its rank, and its KV geometry."""
-
-    model_name: str
-    world_size: int
-    worker_id: int
-    kv_dtype: torch.dtype
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    use_mla: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kv_dtype, torch.dtype):
-            raise ValueError(f"kv_dtype must be a torch.dtype, got {self.kv_dtype!r}")
-        for name in ("num_layers", "num_kv_heads", "head_size", "world_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not 0 <= self.worker_id < self.world_size:
-            raise ValueError("need 0 <= worker_id < world_size")
-
-    @property
-    def layout(self) -> ChunkLayout:
-        planes = 1 if self.use_mla else 2
-        heads = 1 if self.use_mla else self.num_kv_heads
-        return ChunkLayout(self.num_layers, heads, self.head_size, self.kv_dtype, planes)
-
-    @property
-    def namespace(self) -> KeyNamespace:
-        return KeyNamespace(
-            self.model_name, self.world_size, self.worker_id, dtype_name(self.kv_dtype)
-        )
 
 
 class CacheEngine:
@@ -166,7 +100,7 @@ class CacheEngine:
         shared = metadata.use_mla and config.save_only_first_rank
         self._stores_here = not shared or metadata.worker_id == 0
         self.token_db = TokenDatabase(
-            _key_namespace(metadata, shared), config.chunk_size, config.save_unfull_chunk
+            key_namespace(metadata, shared), config.chunk_size, config.save_unfull_chunk
         )
         self.storage = StorageManager(config, self.layout, self.metrics)
         ns = self.token_db.namespace
@@ -485,11 +419,11 @@ class CacheEngine:
         self.metrics.observe("engine.retrieve_seconds", time.perf_counter() - start)
         yield ret
 
-    def _prepare_store(self, specs: list[ChunkSpec]) -> _StoreBatch:
+    def _prepare_store(self, specs: list[ChunkSpec]) -> StoreBatch:
         """Decide what to write where and take a buffer per chunk (a prefix, while memory
         lasts); the caller fills `copies` and releases the batch."""
         plan = self.storage.plan_store(specs)
-        batch = _StoreBatch(plan)
+        batch = StoreBatch(plan)
         try:
             for i, spec in enumerate(specs):
                 src = plan.local_objs[i]
@@ -506,12 +440,12 @@ class CacheEngine:
             raise
         return batch
 
-    def _publish(self, specs: list[ChunkSpec], batch: _StoreBatch) -> int:
+    def _publish(self, specs: list[ChunkSpec], batch: StoreBatch) -> int:
         """Hand the filled chunks to the tiers; the tokens now held (a prefix)."""
         plan, sources = batch.plan, batch.sources
         idx = [i for i, o in enumerate(sources) if o is not None]
         accepted = self.storage.write(
-            [specs[i].key for i in idx], [_obj(sources[i]) for i in idx],
+            [specs[i].key for i in idx], [present(sources[i]) for i in idx],
             [plan.need_local[i] for i in idx], [plan.need_remote[i] for i in idx],
         )
         remote_ok = dict(zip(idx, accepted, strict=True))
@@ -523,44 +457,3 @@ class CacheEngine:
                 break
             held = i + 1
         return specs[held - 1].end - specs[0].start if held else 0
-
-
-class _StoreBatch:
-    """The buffers of one store: per chunk its source (None past the memory cut or when
-    nothing needs writing) and which chunks still need their KV copied in."""
-
-    def __init__(self, plan: StorePlan) -> None:
-        self.plan = plan
-        self.sources: list[MemoryObj | None] = []
-        self.copies: list[int] = []
-
-    def copy_ranges(self, specs: list[ChunkSpec]) -> list[tuple[int, int]]:
-        return [(specs[i].start, specs[i].end) for i in self.copies]
-
-    def copy_tensors(self) -> list[torch.Tensor]:
-        return [_tensor(self.sources[i]) for i in self.copies]
-
-    def release(self) -> None:
-        """Drop every reference the batch holds (idempotent)."""
-        for obj in self.sources + self.plan.local_objs:
-            if obj is not None:
-                obj.release()
-        self.sources = [None] * len(self.sources)
-        self.plan.local_objs = [None] * len(self.plan.local_objs)
-
-
-def _key_namespace(metadata: EngineMetadata, shared: bool) -> KeyNamespace:
-    """The engine's key fields; a rank-shared (MLA, save_only_first_rank) namespace is that of
-    a single-rank engine."""
-    if not shared:
-        return metadata.namespace
-    return KeyNamespace(metadata.model_name, 1, 0, dtype_name(metadata.kv_dtype))
-
-
-def _obj(obj: MemoryObj | None) -> MemoryObj:
-    assert obj is not None
-    return obj
-
-
-def _tensor(obj: MemoryObj | None) -> torch.Tensor:
-    return _obj(obj).tensor
