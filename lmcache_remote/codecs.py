@@ -35,6 +35,7 @@ import lz4.block
 import numpy as np
 import zstandard
 
+from lmcache_remote.buffers import address
 from lmcache_remote.errors import CorruptEntryError, SerdeError
 
 BytesLike = bytes | bytearray | memoryview
@@ -83,10 +84,6 @@ _LIBLZ4 = _load_liblz4()
 _INT_MAX = 2**31 - 1
 
 
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
 def lz4_compress(raw: memoryview) -> bytes:
     return lz4.block.compress(raw, mode="default", store_size=False)
 
@@ -96,7 +93,7 @@ def lz4_decompress_into(data: memoryview, out: memoryview) -> None:
     if not len(out) or not len(data) or len(data) > _INT_MAX or len(out) > _INT_MAX:
         raise CorruptEntryError(f"lz4 block of {len(data)} bytes cannot fill {len(out)} bytes")
     if _LIBLZ4 is not None and not out.readonly:
-        got = _LIBLZ4.LZ4_decompress_safe(_address(data), _address(out), len(data), len(out))
+        got = _LIBLZ4.LZ4_decompress_safe(address(data), address(out), len(data), len(out))
         if got != len(out):
             raise CorruptEntryError(f"lz4 part does not decompress to {len(out)} bytes ({got})")
         return

@@ -10,13 +10,11 @@ Contract:
   `lmcache_remote.codecs`, re-exported here). ``values[0]`` is the header followed by
   stored segment 0, in one contiguous buffer; ``values[i]`` is stored segment ``i``.
   The storage tier puts ``values[0]`` under the chunk key and ``values[i]`` under ``key#i``.
-- The header (`HEADER_FIXED`, then the part table, then a header checksum; byte by byte in
-  ``docs/value-format.md``) names the codec, dtype, shape, token count, the chunk hash the value
-  belongs to, the raw size, the part size and each part's stored length and xxh3-64 checksum.
-- An authenticated value (``encode(..., signer=...)``: version byte ``FORMAT_VERSION |
-  AUTHENTICATED``) also holds a 32-byte MAC between the part table and the header checksum;
-  ``read_header`` returns it (`ValueHeader.tag`, with the header bytes it covers) and checking
-  it is the caller's (`lmcache_remote.integrity`), which alone has the key.
+- The header is `lmcache_remote.value_format`'s (the names other modules take from here are
+  re-exported): it names the codec, dtype, shape, token count, the chunk hash, the raw size,
+  the part size and each part's stored length and xxh3-64 checksum; an authenticated value
+  (``encode(..., signer=...)``) also holds a MAC, which ``read_header`` returns and the
+  caller checks (`lmcache_remote.integrity`).
 - `Serde.read_header` validates every header field and `Serde.decode_into` every length, the
   chunk hash and every part checksum. Whatever the input bytes, both raise `CorruptEntryError`
   on any problem and nothing else; they never unpickle or evaluate anything. ``read_header``
@@ -35,159 +33,47 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
-import numpy as np
 import torch
 
+from lmcache_remote.buffers import address
 from lmcache_remote.codecs import CODECS as CODECS
 from lmcache_remote.codecs import CODECS_BY_ID, Codec, RawCodec
 from lmcache_remote.codecs import get_codec as get_codec
-from lmcache_remote.errors import CorruptEntryError, ForeignEntryError, SerdeError
-from lmcache_remote.native import wire as _native  # `address` of a buffer, cheaply (C)
-from lmcache_remote.native import xxh3 as _xxh3
+from lmcache_remote.errors import SerdeError
 from lmcache_remote.sizing import plan_part_size
+from lmcache_remote.value_format import AUTHENTICATED as AUTHENTICATED
+from lmcache_remote.value_format import DTYPE_CODES as DTYPE_CODES
+from lmcache_remote.value_format import HEADER_CHECKSUM as HEADER_CHECKSUM
+from lmcache_remote.value_format import HEADER_FIXED as HEADER_FIXED
+from lmcache_remote.value_format import MAGIC as MAGIC
+from lmcache_remote.value_format import (
+    MAX_NUM_TOKENS,
+    MAX_PART_SIZE,
+    TAG_NBYTES,
+    BytesLike,
+    byte_view,
+    check_identity,
+    check_shape,
+    check_values,
+    checked_tag,
+    checksum,
+    corrupt,
+    header_checksum,
+    header_for,
+    parse_header,
+)
+from lmcache_remote.value_format import Signer as Signer
+from lmcache_remote.value_format import ValueHeader as ValueHeader
+from lmcache_remote.value_format import dtype_from_name as dtype_from_name
+from lmcache_remote.value_format import dtype_name as dtype_name
+from lmcache_remote.value_format import header_nbytes as header_nbytes
 
-BytesLike = bytes | bytearray | memoryview
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-MAGIC = b"LMCR"
-FORMAT_VERSION = 1
-MAX_NDIM = 8
-MAX_NUM_TOKENS = 2**31
 DEFAULT_PART_SIZE = 4 * 1024 * 1024 - 64 * 1024
-MAX_PART_SIZE = 0x7E000000  # LZ4_MAX_INPUT_SIZE: the largest segment lz4 can compress
-
-#: The fixed start of every header, little-endian, no padding, 80 bytes: magic, format version
-#: (u8), codec id (u8), dtype code (u8), ndim (u8), shape (8 x u32, unused dims 0), num_tokens
-#: (u32), chunk hash (16 bytes), raw_nbytes (u64), part_size (u64), part_count (u32).
-HEADER_FIXED = struct.Struct("<4sBBBB8II16sQQI")
-#: One part table entry, ``part_count`` of them after `HEADER_FIXED`: stored_len, xxh3-64.
-PART_ENTRY = struct.Struct("<QQ")
-#: Ends the header: low 32 bits of xxh3-64 over every header byte before it.
-HEADER_CHECKSUM = struct.Struct("<I")
-MIN_HEADER_NBYTES = HEADER_FIXED.size + PART_ENTRY.size + HEADER_CHECKSUM.size
-#: Set in the version byte of an authenticated value (`FORMAT_VERSION | AUTHENTICATED`):
-#: its header holds a MAC (`TAG_NBYTES`, `lmcache_remote.integrity`) between the part table
-#: and the header checksum. A reader that knows only version 1 finds another version there
-#: and leaves the value in place as foreign.
-AUTHENTICATED = 0x80
-TAG_NBYTES = 32
-
-#: Makes a value's MAC: ``signer(signed_header, stored_parts)``, 32 bytes (a bound
-#: `IntegrityKey.tag`); the chunk key it binds is the signer's business.
-Signer = Callable[[memoryview, Sequence["BytesLike"]], bytes]
-
-
-def header_nbytes(part_count: int, authenticated: bool = False) -> int:
-    """Size of the header of a value with ``part_count`` parts: ``84 + 16 * part_count``, and
-    `TAG_NBYTES` more for an authenticated value."""
-    return (HEADER_FIXED.size + PART_ENTRY.size * part_count + HEADER_CHECKSUM.size
-            + (TAG_NBYTES if authenticated else 0))
-
-
-def known_version(version: int) -> bool:
-    """Whether this reader knows a value of this version byte: `FORMAT_VERSION`, with or
-    without `AUTHENTICATED`."""
-    return version in (FORMAT_VERSION, FORMAT_VERSION | AUTHENTICATED)
-
-
-# --- dtypes -------------------------------------------------------------------------------
-
-#: Stable on-disk dtype codes. Never renumber; 0 is reserved as invalid.
-_CODE_BY_DTYPE_NAME = {
-    "float32": 1, "float16": 2, "bfloat16": 3, "float64": 4, "float8_e4m3fn": 5,
-    "float8_e5m2": 6, "int8": 7, "uint8": 8, "int16": 9, "int32": 10, "int64": 11,
-    "float8_e4m3fnuz": 12, "float8_e5m2fnuz": 13,
-}  # fmt: skip
-DTYPE_CODES: dict[torch.dtype, int] = {
-    getattr(torch, name): code
-    for name, code in _CODE_BY_DTYPE_NAME.items()
-    if hasattr(torch, name)  # the fnuz types are absent from old torch releases
-}
-_DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The dtype as torch names it without ``torch.``: ``"bfloat16"``."""
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch.dtype: {dtype!r}")
-    return str(dtype).removeprefix("torch.")
-
-
-_DTYPES_BY_NAME = {dtype_name(dtype): dtype for dtype in DTYPE_CODES}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The registered dtype called ``name`` (``"bfloat16"``); `ValueError` if there is none."""
-    try:
-        return _DTYPES_BY_NAME[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype name {name!r}") from None
-
-
-# --- the header ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ValueHeader:
-    """What the first value of a chunk says about the chunk, validated by `Serde.read_header`."""
-
-    codec_id: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    num_tokens: int
-    chunk_hash: bytes
-    raw_nbytes: int
-    part_size: int
-    parts: tuple[tuple[int, int], ...]  # (stored_len, xxh3-64 checksum) per part
-    header_nbytes: int
-    tag: bytes | None = None  # an authenticated value's MAC, None for an unauthenticated one
-    signed: bytes = b""  # the header bytes the MAC covers (before the tag); b"" without one
-
-    @property
-    def payload_nbytes(self) -> int:
-        """Stored bytes of all parts together, the header excluded."""
-        return sum(stored for stored, _ in self.parts)
-
-    @property
-    def part_count(self) -> int:
-        return len(self.parts)
-
-    @property
-    def codec_name(self) -> str:
-        return CODECS_BY_ID[self.codec_id].name
-
-    def value_nbytes(self, index: int) -> int:
-        """The exact length of ``values[index]`` (value 0 includes the header)."""
-        stored = self.parts[index][0]
-        return stored + self.header_nbytes if index == 0 else stored
-
-    def segment(self, index: int) -> tuple[int, int]:
-        """The raw byte range ``[start, end)`` of the chunk that part ``index`` decodes to."""
-        start = index * self.part_size
-        return start, min(start + self.part_size, self.raw_nbytes)
-
-
-def _corrupt(message: str) -> CorruptEntryError:
-    return CorruptEntryError(f"corrupt value: {message}")
-
-
-def _foreign(message: str) -> ForeignEntryError:
-    return ForeignEntryError(f"foreign value: {message}")
-
-
-def _byte_view(value: object, what: str) -> memoryview:
-    """A flat byte view of a bytes-like value; `CorruptEntryError` for anything else."""
-    if value is None:
-        raise _corrupt(f"{what} is missing")
-    try:
-        return memoryview(value).cast("B")  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise _corrupt(f"{what} is not a contiguous bytes-like object ({exc})") from exc
-
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a flat, writable memoryview, without a copy."""
@@ -200,13 +86,6 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
         )
     flat = tensor.detach().reshape(-1).view(torch.uint8)  # uint8 first: numpy lacks bfloat16
     return flat.numpy().data
-
-
-def _check_shape(shape: tuple[int, ...], fail: Callable[[str], Exception]) -> None:
-    if not 1 <= len(shape) <= MAX_NDIM:
-        raise fail(f"ndim {len(shape)} outside 1..{MAX_NDIM}")
-    if any(not 1 <= dim < 2**32 for dim in shape):
-        raise fail(f"shape {shape} has a dimension outside 1..2**32-1")
 
 
 def _check_setting(name: str, value: int, low: int, high: int) -> None:
@@ -295,7 +174,7 @@ class Serde:
             tensor = tensor.tensor
         raw = raw_of() if raw_of is not None else _tensor_bytes(tensor)
         shape = tuple(tensor.shape)
-        _check_shape(shape, SerdeError)
+        check_shape(shape, SerdeError)
         if tensor.dtype not in DTYPE_CODES:
             raise SerdeError(f"unsupported dtype {tensor.dtype}")
         if not isinstance(chunk_hash, (bytes, bytearray, memoryview)) or len(chunk_hash) != 16:
@@ -306,7 +185,7 @@ class Serde:
         itemsize = tensor.dtype.itemsize
         stored = self._map(self.codec, lambda seg: self._encode_part(seg, itemsize, sealed),
                            segments)
-        header = _header_for(self.codec.codec_id, tensor.dtype, shape, num_tokens, chunk_hash,
+        header = header_for(self.codec.codec_id, tensor.dtype, shape, num_tokens, chunk_hash,
                              len(raw), size, [(len(data), sum_) for data, sum_ in stored],
                              signer is not None)
         parts = [data for data, _ in stored]
@@ -315,8 +194,8 @@ class Serde:
         end = len(header) - HEADER_CHECKSUM.size
         if signer is not None:
             signed = end - TAG_NBYTES
-            header[signed:end] = _checked_tag(signer(memoryview(header)[:signed], parts))
-        HEADER_CHECKSUM.pack_into(header, end, _header_checksum(memoryview(header)[:end]))
+            header[signed:end] = checked_tag(signer(memoryview(header)[:signed], parts))
+        HEADER_CHECKSUM.pack_into(header, end, header_checksum(memoryview(header)[:end]))
         return bytes(header), parts
 
     def raw_header(self, shape: tuple[int, ...], dtype: torch.dtype, chunk_hash: bytes,
@@ -326,17 +205,17 @@ class Serde:
         tensor: segments of ``part_size`` raw bytes, each given as (length, XXH3-64 of its
         bytes). Value 0 is this header followed by segment 0, value i segment i, exactly as
         `encode` would make them with the raw codec."""
-        _check_shape(tuple(shape), SerdeError)
+        check_shape(tuple(shape), SerdeError)
         raw_nbytes = sum(length for length, _ in parts)
         if raw_nbytes != math.prod(shape) * dtype.itemsize or not parts or any(
                 length != min(part_size, raw_nbytes - i * part_size)
                 for i, (length, _) in enumerate(parts)):
             raise SerdeError(f"{len(parts)} parts of {part_size} bytes do not hold "
                              f"{dtype} {tuple(shape)}")
-        header = _header_for(RawCodec.codec_id, dtype, tuple(shape), num_tokens, chunk_hash,
+        header = header_for(RawCodec.codec_id, dtype, tuple(shape), num_tokens, chunk_hash,
                              raw_nbytes, part_size, parts, False)
         end = len(header) - HEADER_CHECKSUM.size
-        HEADER_CHECKSUM.pack_into(header, end, _header_checksum(memoryview(header)[:end]))
+        HEADER_CHECKSUM.pack_into(header, end, header_checksum(memoryview(header)[:end]))
         return bytes(header)
 
     def _encode_part(self, segment: memoryview, itemsize: int, sealed: bool = True
@@ -348,11 +227,11 @@ class Serde:
 
     def read_header(self, value0: object) -> ValueHeader:
         """Parses and validates the header at the start of ``value0``; see the module contract."""
-        buf = _byte_view(value0, "value 0")
+        buf = byte_view(value0, "value 0")
         try:
-            return _parse_header(buf)
+            return parse_header(buf)
         except (struct.error, ValueError, TypeError, OverflowError, KeyError) as exc:
-            raise _corrupt(f"unreadable header ({exc})") from exc
+            raise corrupt(f"unreadable header ({exc})") from exc
 
     def decode_into(
         self,
@@ -366,7 +245,7 @@ class Serde:
         """Checks ``values`` against ``header`` and the caller's expectations and decodes them
         into ``out`` (a contiguous CPU tensor of the header's shape and dtype, or an object with
         such a ``tensor``). On error the content of ``out`` is unspecified."""
-        stored = _check_values(header, values, expected_hash, expected_shape, expected_dtype)
+        stored = check_values(header, values, expected_hash, expected_shape, expected_dtype)
         self.decode_parts_into(header, stored, out, expected_hash, expected_shape, expected_dtype)
 
     def decode_parts_into(
@@ -391,13 +270,13 @@ class Serde:
             out = out.tensor
         check_identity(header, expected_hash, expected_shape, expected_dtype)
         if len(stored) != header.part_count:
-            raise _corrupt(f"{len(stored)} parts, the header has {header.part_count}")
-        views = [_byte_view(part, f"part {i}") for i, part in enumerate(stored)]
+            raise corrupt(f"{len(stored)} parts, the header has {header.part_count}")
+        views = [byte_view(part, f"part {i}") for i, part in enumerate(stored)]
         for i, view in enumerate(views):
             if len(view) != header.parts[i][0]:
-                raise _corrupt(f"part {i} is {len(view)} bytes, expected {header.parts[i][0]}")
+                raise corrupt(f"part {i} is {len(view)} bytes, expected {header.parts[i][0]}")
         if tuple(out.shape) != header.shape or out.dtype != header.dtype:
-            raise _corrupt(
+            raise corrupt(
                 f"value holds {header.dtype} {header.shape}, destination is "
                 f"{out.dtype} {tuple(out.shape)}"
             )
@@ -410,14 +289,14 @@ class Serde:
             start, end = header.segment(i)
             known = digests[i] if digests is not None else None
             if known is not None and known != header.parts[i][1]:
-                raise _corrupt(f"part {i} fails its checksum")
+                raise corrupt(f"part {i} fails its checksum")
             jobs.append((i, data, dst[start:end], header.parts[i][1] if known is None else None))
 
         def decode_part(job: tuple[int, memoryview, memoryview, int | None]) -> None:
             index, data, out_part, expected = job
             if expected is not None and checksum(data) != expected:
-                raise _corrupt(f"part {index} fails its checksum")
-            at, out_at = _address(data), _address(out_part)
+                raise corrupt(f"part {index} fails its checksum")
+            at, out_at = address(data), address(out_part)
             if len(data) and len(out_part) and (
                     at < out_at + len(out_part) and out_at < at + len(data)):  # they overlap
                 if codec.codec_id == RawCodec.codec_id and at == out_at:
@@ -436,9 +315,9 @@ class Serde:
     ) -> torch.Tensor:
         """Reads the header, checks the values, allocates the tensor and decodes into it."""
         if not values:
-            raise _corrupt("no values")
+            raise corrupt("no values")
         header = self.read_header(values[0])
-        _check_values(header, values, expected_hash, expected_shape, expected_dtype)
+        check_values(header, values, expected_hash, expected_shape, expected_dtype)
         out = torch.empty(header.shape, dtype=header.dtype)
         self.decode_into(header, values, out, expected_hash, expected_shape, expected_dtype)
         return out
@@ -454,151 +333,3 @@ class Serde:
         return list(pool.map(fn, items))
 
 
-def _header_for(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], num_tokens: int,
-                chunk_hash: bytes, raw_nbytes: int, part_size: int,
-                parts: Sequence[tuple[int, int]], authenticated: bool) -> bytearray:
-    """A header with every field but the MAC and the header checksum filled in."""
-    if dtype not in DTYPE_CODES:
-        raise SerdeError(f"unsupported dtype {dtype}")
-    header = bytearray(header_nbytes(len(parts), authenticated))
-    version = FORMAT_VERSION | (AUTHENTICATED if authenticated else 0)
-    HEADER_FIXED.pack_into(
-        header, 0, MAGIC, version, codec_id, DTYPE_CODES[dtype],
-        len(shape), *shape, *([0] * (MAX_NDIM - len(shape))), num_tokens, bytes(chunk_hash),
-        raw_nbytes, part_size, len(parts),
-    )  # fmt: skip
-    for i, (length, sum_) in enumerate(parts):
-        PART_ENTRY.pack_into(header, HEADER_FIXED.size + i * PART_ENTRY.size, length, sum_)
-    return header
-
-
-def header_seal(header: bytearray, parts: Sequence[BytesLike]
-                ) -> tuple[bytearray, list[BytesLike], list[int], int]:
-    """What fills in the checksums of a header `Serde.encode_parts` left unsealed, as a
-    `wire.Seal`: each part's XXH3-64 in its part entry, then the header's own checksum."""
-    offsets = [HEADER_FIXED.size + i * PART_ENTRY.size + 8 for i in range(len(parts))]
-    return header, list(parts), offsets, len(header) - HEADER_CHECKSUM.size
-
-
-def _checked_tag(tag: bytes) -> bytes:
-    if len(tag) != TAG_NBYTES:
-        raise SerdeError(f"a signer gave {len(tag)} bytes, a tag is {TAG_NBYTES}")
-    return tag
-
-
-def checksum(data: Any) -> int:
-    """XXH3-64 of a part's stored bytes (`native.xxh3`: without giving up the GIL where the
-    native module is bound)."""
-    return _xxh3(data)
-
-
-def _header_checksum(data: Any) -> int:
-    return checksum(data) & 0xFFFFFFFF
-
-
-def _parse_header(buf: memoryview) -> ValueHeader:
-    if len(buf) < MIN_HEADER_NBYTES:
-        raise _corrupt(f"{len(buf)} bytes, shorter than the smallest header ({MIN_HEADER_NBYTES})")
-    fields = HEADER_FIXED.unpack_from(buf)
-    magic, version, codec_id, dtype_code, ndim = fields[:5]
-    dims = fields[5 : 5 + MAX_NDIM]
-    num_tokens, chunk_hash, raw_nbytes, part_size, part_count = fields[5 + MAX_NDIM :]
-    if magic != MAGIC:
-        raise _corrupt(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if not known_version(version):  # its header may be laid out otherwise: not checkable here
-        raise _foreign(f"format version {version}, this reader knows {FORMAT_VERSION} and "
-                       f"{FORMAT_VERSION | AUTHENTICATED} (authenticated) only")
-    if part_count < 1:
-        raise _corrupt("part count 0")
-    authenticated = bool(version & AUTHENTICATED)
-    size = header_nbytes(part_count, authenticated)
-    if len(buf) < size:
-        raise _corrupt(f"header of {part_count} parts needs {size} bytes, value has {len(buf)}")
-    (stored_checksum,) = HEADER_CHECKSUM.unpack_from(buf, size - HEADER_CHECKSUM.size)
-    if _header_checksum(buf[: size - HEADER_CHECKSUM.size]) != stored_checksum:
-        raise _corrupt("header checksum mismatch")
-    codec = CODECS_BY_ID.get(codec_id)
-    if codec is None:  # the header checksum holds: a codec of a newer release
-        raise _foreign(f"unknown codec id {codec_id}")
-    dtype = _DTYPES_BY_CODE.get(dtype_code)
-    if dtype is None:
-        raise _foreign(f"unknown dtype code {dtype_code}")
-    if not 1 <= ndim <= MAX_NDIM or any(dims[ndim:]):
-        raise _corrupt(f"ndim {ndim} outside 1..{MAX_NDIM} or unused dims not zero: {dims}")
-    shape = tuple(dims[:ndim])
-    _check_shape(shape, _corrupt)
-    if math.prod(shape) * dtype.itemsize != raw_nbytes:
-        raise _corrupt(f"{dtype_name(dtype)} {shape} is not {raw_nbytes} bytes")
-    if not 0 < num_tokens <= MAX_NUM_TOKENS:
-        raise _corrupt(f"num_tokens {num_tokens} outside 1..2**31")
-    if not 1 <= part_size <= MAX_PART_SIZE:
-        raise _corrupt(f"part size {part_size} outside 1..{MAX_PART_SIZE}")
-    if part_count != max(1, -(-raw_nbytes // part_size)):
-        raise _corrupt(f"{part_count} parts cannot hold {raw_nbytes} bytes in parts of {part_size}")
-    signed = HEADER_FIXED.size + PART_ENTRY.size * part_count  # the tag's offset
-    parts = _part_table(buf[HEADER_FIXED.size : signed], codec, raw_nbytes, part_size)
-    tag = bytes(buf[signed : signed + TAG_NBYTES]) if authenticated else None
-    return ValueHeader(
-        codec_id, dtype, shape, num_tokens, bytes(chunk_hash), raw_nbytes, part_size, parts, size,
-        tag, bytes(buf[:signed]) if authenticated else b"",
-    )
-
-
-def _part_table(
-    table: memoryview, codec: Codec, raw_nbytes: int, part_size: int
-) -> tuple[tuple[int, int], ...]:
-    """(stored_len, checksum) per part, each length possible for its segment under the codec."""
-    parts = tuple(PART_ENTRY.iter_unpack(table))
-    for i, (stored_len, _) in enumerate(parts):
-        raw_len = min(part_size, raw_nbytes - i * part_size)
-        if not 1 <= stored_len <= codec.max_encoded_nbytes(raw_len):
-            raise _corrupt(f"part {i} stored length {stored_len} impossible for {raw_len} bytes")
-    return parts
-
-
-def _address(view: memoryview) -> int:
-    """Where a byte view's memory starts (0 for an empty one): to tell a part received in
-    place in the output, or overlapping it, from one received elsewhere."""
-    if not len(view):
-        return 0
-    if _native is not None:
-        return _native.address(view)
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
-def check_identity(
-    header: ValueHeader,
-    expected_hash: bytes,
-    expected_shape: tuple[int, ...] | None,
-    expected_dtype: torch.dtype | None,
-) -> None:
-    """`ForeignEntryError` unless the header names this chunk hash, shape and dtype (a
-    readable value of another chunk or geometry is foreign, not damage)."""
-    if bytes(expected_hash) != header.chunk_hash:
-        raise _foreign(
-            f"value belongs to chunk {header.chunk_hash.hex()}, not {bytes(expected_hash).hex()}"
-        )
-    if expected_shape is not None and tuple(expected_shape) != header.shape:
-        raise _foreign(f"shape {header.shape}, expected {tuple(expected_shape)}")
-    if expected_dtype is not None and expected_dtype != header.dtype:
-        raise _foreign(f"dtype {header.dtype}, expected {expected_dtype}")
-
-
-def _check_values(
-    header: ValueHeader,
-    values: Sequence[object],
-    expected_hash: bytes,
-    expected_shape: tuple[int, ...] | None,
-    expected_dtype: torch.dtype | None,
-) -> list[memoryview]:
-    """Checks identity and lengths; returns the stored bytes of every part, headers cut off."""
-    check_identity(header, expected_hash, expected_shape, expected_dtype)
-    if len(values) != header.part_count:
-        raise _corrupt(f"{len(values)} values, the header has {header.part_count} parts")
-    stored = []
-    for i, value in enumerate(values):
-        view = _byte_view(value, f"value {i}")
-        if len(view) != header.value_nbytes(i):
-            raise _corrupt(f"value {i} is {len(view)} bytes, expected {header.value_nbytes(i)}")
-        stored.append(view[header.header_nbytes :] if i == 0 else view)
-    return stored

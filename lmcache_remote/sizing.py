@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 from lmcache_remote.codecs import CODECS
+from lmcache_remote.value_format import header_nbytes
 
 #: Bytes Redis adds to a value's own allocation: the sds header (9 bytes above 64 KiB), the
 #: terminating NUL, and the CRLF room of the query buffer it was received in; rounded up.
@@ -60,8 +61,6 @@ def stored_bound(raw_nbytes: int) -> int:
 
 
 def _header(part_count: int) -> int:
-    from lmcache_remote.serde import header_nbytes  # serde imports this module
-
     return header_nbytes(part_count)
 
 

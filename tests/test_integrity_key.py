@@ -32,13 +32,13 @@ from lmcache_remote_cli.main import cli
 from lmcache_remote import CacheConfig, ConfigError, load_config
 from lmcache_remote.integrity import DOMAIN, KDF_CONTEXT, IntegrityKey, load_integrity_key
 from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.serde import (
+from lmcache_remote.serde import Serde
+from lmcache_remote.value_format import (
     AUTHENTICATED,
     HEADER_CHECKSUM,
     HEADER_FIXED,
     PART_ENTRY,
     TAG_NBYTES,
-    Serde,
     checksum,
 )
 
@@ -241,8 +241,8 @@ def test_damage_under_a_key_is_still_deleted(
 _V1_ONLY = textwrap.dedent("""
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
-    import lmcache_remote.serde as serde
-    serde.AUTHENTICATED = 0  # a release that knows format version 1 only (before the MAC)
+    import lmcache_remote.value_format as value_format
+    value_format.AUTHENTICATED = 0  # a release that knows format version 1 only (before the MAC)
     import faultkit, kvutil
     url, prefix, seed = sys.argv[1:4]
     toks = kvutil.tokens(2 * 256, int(seed))

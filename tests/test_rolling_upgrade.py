@@ -26,8 +26,8 @@ CHUNK = 256
 _SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
-    import lmcache_remote.serde as serde
-    serde.FORMAT_VERSION = 2  # the next release
+    import lmcache_remote.value_format as value_format
+    value_format.FORMAT_VERSION = 2  # the next release
     import faultkit, kvutil
     url, prefix, op, seed = sys.argv[1:5]
     toks = kvutil.tokens(3 * 256, int(seed))

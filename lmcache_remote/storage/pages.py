@@ -56,10 +56,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import xxhash
 
+from lmcache_remote.buffers import address
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import (
     BackendError,
@@ -72,16 +72,7 @@ from lmcache_remote.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.keys import PageKey, page_scan_pattern
 from lmcache_remote.memory import MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.native import wire as _native_wire
-from lmcache_remote.serde import (
-    Serde,
-    Signer,
-    ValueHeader,
-    check_identity,
-    checksum,
-    header_nbytes,
-    header_seal,
-)
+from lmcache_remote.serde import Serde
 from lmcache_remote.storage.bulk import BulkPipeline, Seal, supports
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.deadline import call_deadline
@@ -95,6 +86,14 @@ from lmcache_remote.storage.redis_commands import (
     value_nbytes,
 )
 from lmcache_remote.storage.redis_tier import longest_value
+from lmcache_remote.value_format import (
+    Signer,
+    ValueHeader,
+    check_identity,
+    checksum,
+    header_nbytes,
+    header_seal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -661,17 +660,9 @@ def _as_received(reply: Any, place: list[memoryview]) -> Any:
     one-buffer place as the buffer itself), else as it came (a fresh buffer, None, ...)."""
     if isinstance(reply, list) or len(place) != 1 or not isinstance(reply, memoryview):
         return reply
-    if len(reply) == len(place[0]) and _address(reply) == _address(place[0]):
+    if len(reply) == len(place[0]) and address(reply) == address(place[0]):
         return [reply]
     return reply
-
-
-def _address(view: memoryview) -> int:
-    if not len(view):
-        return 0
-    if _native_wire is not None:
-        return int(_native_wire.address(view))
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def _cut(pieces: Sequence[memoryview], start: int, end: int) -> list[memoryview]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from lmcache_remote.errors import CorruptEntryError
 from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.serde import HEADER_FIXED, MAGIC, known_version
+from lmcache_remote.value_format import HEADER_FIXED, MAGIC, known_version
 
 #: Reply bytes asked for and not yet read on the fast read path, at most (`read_ahead`'s cap:
 #: for 32 MiB chunks a little over two of their 3.49 MiB parts), so Redis prepares the next

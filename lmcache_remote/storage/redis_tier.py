@@ -67,16 +67,7 @@ from lmcache_remote.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.keys import CacheEngineKey, probe_key
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.serde import (
-    HEADER_FIXED,
-    Serde,
-    Signer,
-    ValueHeader,
-    check_identity,
-    checksum,
-    header_nbytes,
-    header_seal,
-)
+from lmcache_remote.serde import Serde
 from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.bulk import (
@@ -102,6 +93,15 @@ from lmcache_remote.storage.redis_commands import (
     value_nbytes,
 )
 from lmcache_remote.storage.toucher import Toucher
+from lmcache_remote.value_format import (
+    HEADER_FIXED,
+    Signer,
+    ValueHeader,
+    check_identity,
+    checksum,
+    header_nbytes,
+    header_seal,
+)
 
 logger = logging.getLogger(__name__)
 #: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
