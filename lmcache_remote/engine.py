@@ -151,7 +151,7 @@ class CacheEngine:
     def lookup(self, tokens: Any, *, cache_salt: str | None = None) -> int:
         start = time.perf_counter()
         specs = self.token_db.prefix_keys(tokens, cache_salt)
-        hits = self.storage.lookup(specs)
+        hits = self.storage.leading_chunks(specs)
         hit_tokens = specs[hits - 1].end if hits else 0
         if hits:
             self._promises.promise(specs[hits - 1])

@@ -21,7 +21,7 @@ from lmcache_remote import CacheConfig
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics
-from lmcache_remote.storage.manager import PendingWrites, WriteBehindQueue
+from lmcache_remote.storage.write_behind import PendingWrites, WriteBehindQueue
 from lmcache_remote.storage.redis_tier import RedisTier
 
 LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)

@@ -53,7 +53,6 @@ from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
 from lmcache_remote.storage.redis_tier import Allocator, RedisTier, sockets_in_use
-from lmcache_remote.urls import parse_remote_url
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +81,6 @@ class _Unconnected:
 
     def close(self) -> None:
         pass
-
-
-def make_remote_tier(
-    config: CacheConfig, layout: ChunkLayout, pool: MemoryPool, metrics: Metrics,
-    allocate: Allocator | None = None,
-) -> RedisTier:
-    """The remote tier the configured URL names: `ClusterRedisTier` for a cluster URL.
-    `allocate` gives the tier its read buffers (`RedisTier`'s parameter of that name)."""
-    assert config.remote_url is not None
-    if parse_remote_url(config.remote_url).kind == "cluster":
-        return ClusterRedisTier(config, layout, pool, metrics, allocate=allocate)
-    return RedisTier(config, layout, pool, metrics, allocate=allocate)
 
 
 class ClusterRedisTier(RedisTier):
@@ -144,7 +131,7 @@ class ClusterRedisTier(RedisTier):
             client = make_client(self.config)
         except BackendError as exc:  # make_client translated it; the caller wants redis-py's
             raise redis.ConnectionError(str(exc)) from exc
-        assert isinstance(client, RedisCluster)  # make_remote_tier checked the URL's kind
+        assert isinstance(client, RedisCluster)  # tiers.make_remote_tier checked the URL's kind
         return client
 
     def _caller(self, node: ClusterNode) -> RemoteCaller:

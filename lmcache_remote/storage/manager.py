@@ -2,15 +2,16 @@
 
 What it promises the engine:
 
-- `lookup`/`fetch`: local tier first, then Redis for the chunks the local tier lacks, in one
-  remote round trip (per window for fetch); a remote failure is a miss, counted. A Redis hit
-  is kept in the local tier.
+- `leading_chunks`/`fetch`: local tier first, then Redis for the chunks the local tier lacks,
+  in one remote round trip (per window for fetch); a remote failure is a miss, counted. A
+  Redis hit is kept in the local tier.
 - `plan_store`: which chunks need writing where: local (absent locally) and remote (absent in
   Redis: one round trip to ask, so nothing Redis has is sent again).
-- `write`: local tier now; Redis through the write-behind queue (`store_async`) or at once.
-  The queue is bounded in bytes; when full, new writes are dropped and counted, never waited
-  for. `flush()` drains it within a bounded time. A chunk already queued or being written is
-  not queued (or written) again: `remote.duplicate_writes_skipped` counts those.
+- `write`: local tier now; Redis through the write-behind queue (`store_async`,
+  `write_behind.WriteBehindQueue`) or at once. The queue is bounded in bytes; when full, new
+  writes are dropped and counted, never waited for. `flush()` drains it within a bounded time.
+  A chunk already queued or being written is not queued (or written) again:
+  `remote.duplicate_writes_skipped` counts those.
 - `allocate`: a chunk buffer from the one memory budget (below), for a store's copy or a Redis
   read alike; None when the budget has no room even after eviction.
 
@@ -26,9 +27,10 @@ The memory budget (`max_local_cpu_size`, one `MemoryPool`) is shared by three ho
   the queue and reads in flight hold the rest, nothing is evicted, the load or store is cut
   short there, counted (`memory.no_room_chunks`) and logged (WARNING, rate-limited).
 
-So `lookup` can promise what `fetch` delivers: it never reports more leading chunks than fit in
-the read share (`read_share_bytes`: the budget less the queue's half), and a full local tier
-never stops a read.
+So `leading_chunks` can promise what `fetch` delivers: it never reports more leading chunks
+than fit in the read share (`budget.read_share_bytes`: the budget less the queue's half), and
+a full local tier never stops a read. The remote tier is the one `tiers.make_remote_tier`
+chooses for the configured URL.
 
 Remote failures never leave this class as exceptions: they become misses and dropped writes,
 counted in `remote.errors`, `remote.dropped_chunks` and logged (rate-limited); permission
@@ -39,25 +41,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.errors import BackendError, BackendPermissionError
+from lmcache_remote.errors import BackendError
 from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool, leading_fit
+from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.access import check_access
-from lmcache_remote.storage.cluster_tier import make_remote_tier
+from lmcache_remote.storage.budget import queue_share_bytes, read_share_bytes, within_read_share
 from lmcache_remote.storage.local_cpu import LocalCPUTier
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.tiers import make_remote_tier
+from lmcache_remote.storage.write_behind import (
+    PendingWrites,
+    WriteBehindQueue,
+    note_remote_failure,
+    num_tokens,
+    put_remote,
+    timed,
+)
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 #: An allocation that finds the pool full evicts and tries again at most this often (another
 #: thread may take the room an eviction made).
 _ALLOCATE_TRIES = 3
@@ -74,130 +79,6 @@ class StorePlan:
 
     def needs_write(self, i: int) -> bool:
         return self.need_local[i] or self.need_remote[i]
-
-
-class PendingWrites:
-    """The chunk keys queued for Redis or being written now, so none is written twice."""
-
-    def __init__(self) -> None:
-        self._keys: set[CacheEngineKey] = set()
-        self._lock = threading.Lock()
-
-    def claim(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
-        """Per key, True when this caller now owns its write; False when one is pending."""
-        with self._lock:
-            out = [k not in self._keys for k in keys]
-            self._keys.update(keys)
-        return out
-
-    def done(self, keys: Sequence[CacheEngineKey]) -> None:
-        """The writes of `keys` landed or were dropped: the next store may write them again."""
-        with self._lock:
-            self._keys.difference_update(keys)
-
-
-class WriteBehindQueue:
-    """A bounded (bytes) queue of chunk writes, drained into Redis by one daemon thread.
-
-    Every key it is handed must have been claimed in `pending`; the queue marks it done once its
-    write landed or was dropped."""
-
-    def __init__(self, remote: RedisTier, max_bytes: int, metrics: Metrics,
-                 pending: PendingWrites) -> None:
-        self._remote = remote
-        self._max_bytes = max_bytes
-        self._metrics = metrics
-        self._pending = pending
-        self._items: deque[tuple[list[CacheEngineKey], list[MemoryObj], int]] = deque()
-        self._bytes = 0
-        self._busy = False
-        self._closed = False
-        self._cond = threading.Condition()
-        self._log = RateLimitedLogger(logger)
-        self._thread = threading.Thread(target=self._run, name="lmcr-write-behind", daemon=True)
-        self._thread.start()
-
-    @property
-    def queued_bytes(self) -> int:
-        return self._bytes
-
-    @property
-    def max_bytes(self) -> int:
-        return self._max_bytes
-
-    def submit(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> int:
-        """Queue the leading writes that fit in the bound (taking references); how many were
-        queued. The others are dropped, counted, and their keys marked done."""
-        with self._cond:
-            room = 0 if self._closed else self._max_bytes - self._bytes
-            fit = leading_fit((o.nbytes for o in objs), room)
-            if fit:
-                taken = objs[:fit]
-                nbytes = sum(o.nbytes for o in taken)
-                self._items.append((keys[:fit], [o.retain() for o in taken], nbytes))
-                self._bytes += nbytes
-                self._cond.notify_all()
-        if fit < len(keys):
-            self._metrics.inc("remote.dropped_chunks", len(keys) - fit)
-            self._metrics.inc("remote.queue_full_drops", len(keys) - fit)
-            self._pending.done(keys[fit:])
-        return fit
-
-    def flush(self, timeout: float) -> bool:
-        """Wait until every queued write reached Redis or was dropped; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._items or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    @property
-    def pending_items(self) -> int:
-        return len(self._items) + int(self._busy)
-
-    def close(self, timeout: float) -> None:
-        """Flush for up to `timeout`, then stop. A write still in flight then (a paused or
-        crawling server) is cut off (`RedisTier.stop_io`) and what is left queued is dropped:
-        when this returns, the writer thread has ended and does no more I/O."""
-        self.flush(timeout)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            self._remote.stop_io()  # the write in flight fails now, the rest is refused
-            self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._items and not self._closed:
-                    self._cond.wait()
-                if not self._items:
-                    return
-                keys, objs, nbytes = self._items.popleft()
-                self._busy = True
-            try:
-                self._write(keys, objs)
-            finally:
-                self._pending.done(keys)
-                for obj in objs:
-                    obj.release()
-                with self._cond:
-                    self._bytes -= nbytes
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def _write(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
-        try:
-            put_remote(self._remote, self._metrics, self._log, keys, objs)
-        except Exception:  # the thread must survive anything one batch does
-            self._metrics.inc("remote.errors")
-            self._metrics.inc("remote.dropped_chunks", len(keys))
-            logger.exception("unexpected error in the write-behind thread")
 
 
 class StorageManager:
@@ -261,7 +142,7 @@ class StorageManager:
         note_remote_failure(self.metrics, self._log, what, exc,
                             "remote %s failed, treated as a miss: %s", what, exc)
 
-    def lookup(self, specs: Sequence[ChunkSpec]) -> int:
+    def leading_chunks(self, specs: Sequence[ChunkSpec]) -> int:
         """How many leading chunks are retrievable now (local or remote)."""
         present = self.local.contains(specs) if self.local is not None else [False] * len(specs)
         first_missing = next((i for i, p in enumerate(present) if not p), len(specs))
@@ -269,7 +150,7 @@ class StorageManager:
             tail = zip(specs[first_missing:], present[first_missing:], strict=True)
             rest = [s for s, p in tail if not p]
             try:
-                found = iter(_timed(self.metrics, "remote.contains_seconds",
+                found = iter(timed(self.metrics, "remote.contains_seconds",
                                     self.remote.contains, rest))
             except BackendError as exc:
                 self._remote_failed("lookup", exc)
@@ -293,9 +174,9 @@ class StorageManager:
     def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
         """`hits`, or fewer: the leading chunks one fetch can hold at once (`read_share_bytes`);
         the tokens left out are counted in `engine.lookup_capped_tokens` and logged."""
-        fit = fetchable_chunks(specs, hits, self.layout, self.read_share_bytes)
+        fit = within_read_share(specs, hits, self.layout, self.read_share_bytes, self.metrics,
+                                "engine.lookup_capped_tokens")
         if fit < hits:
-            self.metrics.inc("engine.lookup_capped_tokens", specs[hits - 1].end - specs[fit].start)
             self._log.warning(
                 "lookup-cap", "a lookup found %d tokens but one retrieve can hold only %d "
                 "of them in max_local_cpu_size (less the write-behind queue's share); "
@@ -312,7 +193,7 @@ class StorageManager:
         missing = [s for s, o in tail if o is None]
         if missing and self.remote is not None:
             try:
-                remote = _timed(self.metrics, "remote.get_seconds", self.remote.get, missing)
+                remote = timed(self.metrics, "remote.get_seconds", self.remote.get, missing)
             except BackendError as exc:
                 self._remote_failed("get", exc)
             if remote and self.local is not None:
@@ -346,7 +227,7 @@ class StorageManager:
         remote_has = [False] * n
         if self.remote is not None and n:
             try:
-                remote_has = _timed(self.metrics, "remote.contains_seconds",
+                remote_has = timed(self.metrics, "remote.contains_seconds",
                                     self.remote.contains, specs)
                 need_remote = [not p for p in remote_has]
             except BackendError as exc:
@@ -370,7 +251,7 @@ class StorageManager:
             if picked:
                 stored = self.local.put([k for k, _ in picked], [o for _, o in picked])
                 self.metrics.inc("local.stored_chunks", stored)
-                self.metrics.inc("local.stored_tokens", sum(_num_tokens(o) for _, o in picked))
+                self.metrics.inc("local.stored_tokens", sum(num_tokens(o) for _, o in picked))
                 self.metrics.inc("local.stored_bytes", sum(o.nbytes for _, o in picked))
         accepted = [False] * len(keys)
         if self.remote is None:
@@ -448,73 +329,6 @@ class StorageManager:
         if self.remote is not None:
             self.remote.close()
         self.pool.trim()
-
-
-def queue_share_bytes(config: CacheConfig) -> int:
-    """The write-behind queue's share of `max_local_cpu_size`: `store_queue_size`, at most half
-    (see the module doc)."""
-    return min(config.store_queue_bytes, config.max_local_cpu_bytes // 2)
-
-
-def read_share_bytes(config: CacheConfig) -> int:
-    """The bytes of chunks one read can always hold under `config`: the budget less the write-
-    behind queue's share (none without a queue). A lookup never promises more; the vLLM
-    scheduler's lookup caps its answer the same way."""
-    queued = config.remote_url is not None and config.store_async
-    return config.max_local_cpu_bytes - (queue_share_bytes(config) if queued else 0)
-
-
-def fetchable_chunks(specs: Sequence[ChunkSpec], hits: int, layout: ChunkLayout,
-                     read_share: int) -> int:
-    """Of the first `hits` chunks, how many leading ones one read can hold in `read_share`
-    bytes (`read_share_bytes`): the most a lookup may promise."""
-    return leading_fit((layout.nbytes(s.num_tokens) for s in specs[:hits]), read_share)
-
-
-def note_remote_failure(metrics: Metrics, log: RateLimitedLogger, what: str, exc: BackendError,
-                        msg: str, *args: object) -> None:
-    """Count a remote failure in `remote.errors` and log it (rate-limited). A permission error
-    (ACL NOPERM, wrong password) is also counted in `remote.permission_errors` and logged as an
-    ERROR, every time it recurs (rate-limited): a misconfiguration must not pass as misses."""
-    metrics.inc("remote.errors")
-    if isinstance(exc, BackendPermissionError):
-        metrics.inc("remote.permission_errors")
-        log.error(f"{what}-permission", "Redis refused this client's rights (%s): " + msg,
-                  "check the ACL user, see docs/reliability.md", *args)
-    else:
-        log.warning(what, msg, *args)
-
-
-def put_remote(remote: RedisTier, metrics: Metrics, log: RateLimitedLogger,
-               keys: list[CacheEngineKey], objs: list[MemoryObj]) -> list[bool]:
-    """Write chunks to Redis now, timed and counted; per chunk, whether it landed. A failure
-    is a counted, logged drop."""
-    try:
-        landed = _timed(metrics, "remote.put_seconds", remote.put_each, keys, objs)
-    except BackendError as exc:
-        metrics.inc("remote.dropped_chunks", len(keys))
-        note_remote_failure(metrics, log, "write", exc, "dropped %d chunk writes: %s",
-                            len(keys), exc)
-        return [False] * len(keys)
-    if not all(landed):
-        metrics.inc("remote.dropped_chunks", landed.count(False))
-    metrics.inc("remote.stored_tokens",
-                sum(_num_tokens(o) for o, ok in zip(objs, landed, strict=True) if ok))
-    return landed
-
-
-def _timed(metrics: Metrics, name: str, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)`, its latency observed in the histogram `name` (failures included)."""
-    start = time.perf_counter()
-    try:
-        return fn(*args)
-    finally:
-        metrics.observe(name, time.perf_counter() - start)
-
-
-def _num_tokens(obj: MemoryObj) -> int:
-    """Tokens in a chunk buffer (canonical layout: [layers, planes, tokens, heads, head])."""
-    return int(obj.tensor.shape[2])
 
 
 def _merge_prefix(

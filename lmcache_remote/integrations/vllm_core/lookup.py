@@ -14,7 +14,7 @@ waits, in the scheduler's own thread: the answer must cost one round trip and no
   workers' tiers are in other processes), no write-behind queue, no codec threads, no stats
   publisher, no entry in fleet stats or the Prometheus registry: it is not an engine;
 - it never promises more than a worker can load in one retrieve: the leading chunks whose bytes
-  fit in each rank's read share of `max_local_cpu_size` (`storage.manager.read_share_bytes`,
+  fit in each rank's read share of `max_local_cpu_size` (`storage.budget.read_share_bytes`,
   the cap `CacheEngine.lookup` applies too); the tokens left out are counted in
   `lookup.capped_tokens`;
 - a remote failure is a miss (0), counted in `metrics` and logged rate-limited, never raised;
@@ -36,10 +36,10 @@ from lmcache_remote.errors import BackendError
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
 from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.storage.cluster_tier import make_remote_tier
+from lmcache_remote.storage.budget import read_share_bytes, within_read_share
 from lmcache_remote.storage.connections import lookup_connections
-from lmcache_remote.storage.manager import fetchable_chunks, read_share_bytes
 from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.tiers import make_remote_tier
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +125,8 @@ class PrefixLookup:
         return hit_tokens
 
     def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
-        fit = fetchable_chunks(specs, hits, self._layout, self._read_share)
-        if fit < hits:
-            self.metrics.inc("lookup.capped_tokens", specs[hits - 1].end - specs[fit].start)
-        return fit
+        return within_read_share(specs, hits, self._layout, self._read_share, self.metrics,
+                                 "lookup.capped_tokens")
 
     def close(self) -> None:
         if self._remote is not None:

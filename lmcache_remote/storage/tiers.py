@@ -1,0 +1,27 @@
+"""Where the remote tier is chosen: `make_remote_tier` builds the tier the configured URL names.
+
+A `redis+cluster://` URL gets a `ClusterRedisTier` (per-node scatter/gather); every other URL
+(a single server, TLS, a UNIX socket, a Sentinel-managed master) a `RedisTier` over the bulk
+pipeline. The storage manager and the vLLM scheduler's lookup both ask here.
+"""
+
+from __future__ import annotations
+
+from lmcache_remote.config import CacheConfig
+from lmcache_remote.memory import ChunkLayout, MemoryPool
+from lmcache_remote.metrics import Metrics
+from lmcache_remote.storage.cluster_tier import ClusterRedisTier
+from lmcache_remote.storage.redis_tier import Allocator, RedisTier
+from lmcache_remote.urls import parse_remote_url
+
+
+def make_remote_tier(
+    config: CacheConfig, layout: ChunkLayout, pool: MemoryPool, metrics: Metrics,
+    allocate: Allocator | None = None,
+) -> RedisTier:
+    """The remote tier the configured URL names: `ClusterRedisTier` for a cluster URL.
+    `allocate` gives the tier its read buffers (`RedisTier`'s parameter of that name)."""
+    assert config.remote_url is not None
+    if parse_remote_url(config.remote_url).kind == "cluster":
+        return ClusterRedisTier(config, layout, pool, metrics, allocate=allocate)
+    return RedisTier(config, layout, pool, metrics, allocate=allocate)
