@@ -1,7 +1,10 @@
 """The one native part, built with the package: lmcache_remote._wire, the bulk data path's
-receive loop (lmcache_remote/_wire.c). It is optional: where it cannot be compiled (no C
-compiler, no Python headers) the install goes on, and the pure-Python reader in
-lmcache_remote/storage/bulk.py, the same protocol, is used instead (`bulk.NATIVE` says which)."""
+receive loop (lmcache_remote/_wire_resp.c) and PagedKV's row copier (_wire_rows.c), one
+module (_wire.c, with the XXH3 binding in _wire_xxh3.c) from several sources that share
+_wire.h. It is optional: where it cannot be compiled (no C compiler, no Python headers) the
+install goes on, and the pure-Python reader in lmcache_remote/storage/bulk.py, the same
+protocol, is used instead (`bulk.NATIVE` says which); PagedKV then copies rows in torch /
+numpy."""
 
 from setuptools import Extension, setup
 
@@ -9,7 +12,13 @@ setup(
     ext_modules=[
         Extension(
             "lmcache_remote._wire",
-            ["lmcache_remote/_wire.c"],
+            [
+                "lmcache_remote/_wire.c",
+                "lmcache_remote/_wire_resp.c",
+                "lmcache_remote/_wire_rows.c",
+                "lmcache_remote/_wire_xxh3.c",
+            ],
+            depends=["lmcache_remote/_wire.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )

@@ -100,8 +100,9 @@ def snapshot_project(work: Path, attempts: int = 20) -> tuple[Path, str]:
     between two engines, or a `_wire` built from another version of the C source, would make
     the rows disagree. Retried every 30 s while the copy does not import (an edit under way).
     Returns the folder to put first on the engines' PYTHONPATH and the copy's digest."""
-    setup = ("from setuptools import Extension, setup; setup(ext_modules=[Extension("
-             "'lmcache_remote._wire', ['lmcache_remote/_wire.c'], extra_compile_args=['-O2'])])")
+    setup = ("from glob import glob; from setuptools import Extension, setup; setup(ext_modules="
+             "[Extension('lmcache_remote._wire', sorted(glob('lmcache_remote/_wire*.c')), "
+             "extra_compile_args=['-O2'])])")
     check = ("import lmcache_remote.integrations.vllm, lmcache_remote.storage.bulk as w; "
              "assert w.NATIVE, 'the native _wire did not load'")
     for attempt in range(attempts):
@@ -120,7 +121,7 @@ def snapshot_project(work: Path, attempts: int = 20) -> tuple[Path, str]:
         if failed is None:
             digest = hashlib.sha256()
             for path in sorted((snap / "lmcache_remote").rglob("*")):
-                if path.suffix in (".py", ".c"):
+                if path.suffix in (".py", ".c", ".h"):
                     digest.update(path.relative_to(snap).as_posix().encode() + path.read_bytes())
             return snap, digest.hexdigest()[:16]
         print(f"  the checkout's lmcache_remote does not build or import now, retrying in "

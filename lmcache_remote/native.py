@@ -1,6 +1,7 @@
-"""The optional C extension `lmcache_remote._wire` (lmcache_remote/_wire.c), imported in one
+"""The optional C extension `lmcache_remote._wire` (lmcache_remote/_wire*.c), imported in one
 place: `wire` is the module, or None where it was not built (no compiler at install), and its
-users (storage/bulk.py's receive loop, serde's buffer addresses) then run their Python code.
+users (storage/bulk.py's receive loop, connectors' row copies, serde's buffer addresses)
+then run their Python code.
 `xxh3` is the one XXH3-64 every Python caller uses (serde's checksums, the wire's seals).
 
 `DIGESTS` says whether the receive loop's checksums can stand in for serde's: the loop hashes
