@@ -174,14 +174,14 @@ def row_copier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     numpy (the reference); the native runs fail where it is required and not built."""
     import os
 
-    from lmcache_remote import connectors
+    from lmcache_remote.connectors import rows
     from lmcache_remote.native import wire
 
     if request.param and wire is None:
         if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
             pytest.fail("lmcache_remote._wire is not built")
         pytest.skip("lmcache_remote._wire is not built here")
-    monkeypatch.setattr(connectors, "NATIVE_ROWS", request.param)
+    monkeypatch.setattr(rows, "NATIVE_ROWS", request.param)
     return bool(request.param)
 
 
@@ -191,10 +191,10 @@ def test_cpu_row_copies_run_in_the_native_copier_when_it_is_on(
 ) -> None:
     """The runs above compare results only: here the copies must also have gone through
     `copy_rows` (native on) or not at all (off), whole blocks and single slots alike."""
-    from lmcache_remote import connectors
+    from lmcache_remote.connectors import rows
 
     calls: list[bool] = []
-    real = connectors._native
+    real = rows._native
 
     class Spy:
         @staticmethod
@@ -203,7 +203,7 @@ def test_cpu_row_copies_run_in_the_native_copier_when_it_is_on(
             assert real is not None
             real.copy_rows(jobs, gather)
 
-    monkeypatch.setattr(connectors, "_native", Spy if real is not None else None)
+    monkeypatch.setattr(rows, "_native", Spy if real is not None else None)
     src = make(layout, torch.bfloat16, seed=4)
     chunks = gather_all(src.view(), RANGES)
     dst = make(layout, torch.bfloat16, seed=5, random=False)

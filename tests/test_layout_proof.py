@@ -81,8 +81,9 @@ def test_tiled_blocks_move_as_strided_copies_where_runs_allow(kind: str) -> None
     view = reading.view(slots)
     assert isinstance(view, PagedKV)
     ranges = [(0, B), (B, B + 16), (B + 16, n)]
-    aligned = view._tile_copies(range(2), B, B + 16, torch.empty(view.chunk_shape(16)),
-                                to_host=True)
+    assert view._mapped is not None
+    aligned = view._mapped.tile_copies(range(2), B, B + 16,
+                                       torch.empty(view.chunk_shape(16)), to_host=True)
     assert aligned is not None and len(aligned) == 4  # 2 layers x 2 planes, one run
     outs = [torch.full(view.chunk_shape(b - a), 7.0, dtype=torch.bfloat16) for a, b in ranges]
     view.gather(ranges, outs)
