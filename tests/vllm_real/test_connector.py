@@ -861,12 +861,12 @@ def _failed_then_recomputed(engine: Instance, req_id: str, tokens: list[int]) ->
 
 
 def test_a_vllm_outside_the_tested_releases_warns(caplog: pytest.LogCaptureFixture) -> None:
-    from lmcache_remote.integrations import vllm as adapter
+    from lmcache_remote.integrations.vllm import config as adapter
 
     with caplog.at_level(logging.WARNING):
-        adapter._check_version("0.33.0")
-        adapter._check_version("0.32.1+cpu")
+        adapter.check_version("0.33.0")
+        adapter.check_version("0.32.1+cpu")
     assert not caplog.records
     with caplog.at_level(logging.WARNING):
-        adapter._check_version("0.34.0")
+        adapter.check_version("0.34.0")
     assert "outside the releases" in caplog.text
