@@ -371,6 +371,17 @@ static int read_payload(reader_t *r, Py_buffer *views, int nviews) {
     return 0;
 }
 
+/* Sets the error for a reply line of no kind this reader knows (its first 20 bytes shown);
+ * needs the GIL. */
+static void unexpected_reply(const char *line, Py_ssize_t len) {
+    Py_ssize_t show = len < 20 ? len : 20;
+    PyObject *shown = PyBytes_FromStringAndSize(line, show);
+    if (shown != NULL) {
+        PyErr_Format(PyExc_ValueError, "protocol error: unexpected reply %R", shown);
+        Py_DECREF(shown);
+    }
+}
+
 /* One bulk reply of `length` bytes: its destination from the sink (or a fresh bytearray),
  * filled. Returns a new reference to the reply object. */
 static PyObject *bulk_reply(reader_t *r, Py_ssize_t index, Py_ssize_t length, PyObject *sink) {
@@ -478,15 +489,9 @@ static PyObject *reply_from_line(reader_t *r, Py_ssize_t index, const char *line
         return PyObject_CallFunction(make_error, "s#", line + 1, len - 1);
     case '_':
         Py_RETURN_NONE;
-    default: {
-        Py_ssize_t show = len < 20 ? len : 20;
-        PyObject *shown = PyBytes_FromStringAndSize(line, show);
-        if (shown != NULL) {
-            PyErr_Format(PyExc_ValueError, "protocol error: unexpected reply %R", shown);
-            Py_DECREF(shown);
-        }
+    default:
+        unexpected_reply(line, len);
         return NULL;
-    }
     }
 }
 
@@ -924,16 +929,10 @@ static int receive_record(reader_t *r, record_t *rec, places_t *places, Py_ssize
     case '_':
         rec->kind = 'N';
         return 0;
-    default: {
+    default:
         gil_take(r);
-        Py_ssize_t show = len < 20 ? len : 20;
-        PyObject *shown = PyBytes_FromStringAndSize(line, show);
-        if (shown != NULL) {
-            PyErr_Format(PyExc_ValueError, "protocol error: unexpected reply %R", shown);
-            Py_DECREF(shown);
-        }
+        unexpected_reply(line, len);
         return -1;
-    }
     }
 }
 
