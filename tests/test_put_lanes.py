@@ -83,7 +83,7 @@ def test_a_put_over_several_connections_writes_every_chunk(
     assert len(writer._write_windows(objs, redis_tier._WINDOW_BYTES // writer.write_lanes)) == (
         N_CHUNKS // PER_WINDOW
     )
-    assert writer.put([s.key for s in specs], objs) == N_CHUNKS
+    assert sum(writer.put_each([s.key for s in specs], objs)) == N_CHUNKS
     assert writer.metrics.get("remote.written_chunks") == N_CHUNKS
     got = reader.get(specs)
     assert len(got) == N_CHUNKS
@@ -182,7 +182,7 @@ def test_encoded_bytes_in_flight_stay_within_the_budget(
     budget = _RecordingBudget(2 * PER_WINDOW * CHUNK_BYTES)  # two windows' worth, of eight lanes
     writer._write_budget = budget
     specs, objs = make_chunks(pool, seed=3)
-    assert writer.put([s.key for s in specs], objs) == N_CHUNKS
+    assert sum(writer.put_each([s.key for s in specs], objs)) == N_CHUNKS
     assert 0 < budget.peak <= budget.total
     assert budget.taken == 0
 
@@ -218,7 +218,7 @@ def test_a_get_over_several_connections_serves_the_prefix_and_frees_the_rest(
     assert tier.read_lanes > 1
     tier.read_lanes = redis_tier.WRITE_LANES  # read windows of PER_WINDOW chunks, as writes
     specs, objs = make_chunks(pool, seed=4)
-    assert tier.put([s.key for s in specs], objs) == N_CHUNKS
+    assert sum(tier.put_each([s.key for s in specs], objs)) == N_CHUNKS
     held = pool.used_bytes
     got = tier.get(specs)
     assert len(got) == N_CHUNKS
@@ -253,7 +253,7 @@ def test_the_steps_reads_go_before_a_background_load(
     step, _ = tier_chunks(DB, LAYOUT, pool, 64 * N_CHUNKS, seed=6)
     for specs, seed in ((background, 5), (step, 6)):
         objs = tier_chunks(DB, LAYOUT, pool, 64 * N_CHUNKS, seed)[1]
-        assert tier.put([s.key for s in specs], objs) == N_CHUNKS
+        assert sum(tier.put_each([s.key for s in specs], objs)) == N_CHUNKS
     started: list[Any] = []
     two_in_flight = threading.Event()
     real = tier._get_window

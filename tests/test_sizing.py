@@ -68,7 +68,7 @@ def _redis_bytes(server: RedisServer, layout: ChunkLayout, count: int, serde: Se
     tier.serde = serde
     client = server.client()
     try:
-        assert tier.put(keys, objs) == count
+        assert sum(tier.put_each(keys, objs)) == count
         names = list(client.scan_iter(match=f"{prefix}:*", count=1000))
         grown = sum(int(client.memory_usage(n, samples=0)) for n in names)
         got = tier.get(db.chunks(list(range(count * 256))))

@@ -288,7 +288,7 @@ def _stored_chunks(redis_url: str, key_prefix: str, heads: int, head_dim: int,
         obj.tensor.fill_(i)
     cfg = CacheConfig(remote_url=redis_url, key_prefix=key_prefix, serde="raw", **settings)
     tier = RedisTier(cfg, layout, pool, Metrics())
-    assert tier.put([s.key for s in specs], objs) == len(specs)  # type: ignore[arg-type]
+    assert sum(tier.put_each([s.key for s in specs], objs)) == len(specs)  # type: ignore[arg-type]
     return tier, specs, objs
 
 
@@ -527,6 +527,7 @@ def test_a_raw_get_on_the_native_loop_checks_its_loops_digests(
 
     from lmcache_remote import native as native_mod
     from lmcache_remote import serde as serde_mod
+    from lmcache_remote import value_format
 
     if wire_mod._native is None or not native_mod.DIGESTS:
         if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
@@ -544,6 +545,7 @@ def test_a_raw_get_on_the_native_loop_checks_its_loops_digests(
         return real(data)
 
     monkeypatch.setattr(serde_mod, "checksum", counting)
+    monkeypatch.setattr(value_format, "checksum", counting)  # the headers' checksums
     got = tier.get(specs)
     assert [torch.equal(g.tensor, o.tensor) for g, o in zip(got, objs, strict=True)] == \
         [True] * len(specs)  # type: ignore[union-attr]
@@ -601,7 +603,7 @@ def test_tier_reads_chunks_written_with_other_codec_or_part_size(
 
     writer, reader = tier(*write), tier(*read)
     assert reader.wire is not None and reader.wire.native is native
-    assert writer.put([s.key for s in specs], objs) == len(specs)
+    assert sum(writer.put_each([s.key for s in specs], objs)) == len(specs)
     got = reader.get(specs)
     assert len(got) == len(specs)
     for want, have in zip(objs, got, strict=True):

@@ -3,12 +3,14 @@
 Keys are `CacheEngineKey`s; values are `MemoryObj`s in the canonical chunk layout.
 
 - `contains(keys)` answers per key whether the tier holds the whole chunk now.
-- `get(specs)` returns the leading run of chunks the tier holds, each a `MemoryObj` the caller
-  owns (one reference, to release): it stops at the first missing or bad chunk. A tier never
-  returns a value that failed a check.
-- `put(keys, objs)` stores the chunks (a tier takes its own references) and returns how many it
-  stored; a chunk is whole or absent, never partly written.
 - `delete(keys)` removes chunks and returns how many were there.
+- Reading and writing are each tier's own, shaped by how the manager uses it: the local tier
+  answers per chunk (`LocalCPUTier.get_each`, `put`), the remote tier returns the leading run
+  of chunks it holds (`RedisTier.get`: it stops at the first missing or bad chunk) and says per
+  chunk whether its write landed (`RedisTier.put_each`). Either way each chunk handed out is a
+  `MemoryObj` the caller owns (one reference, to release), a tier never returns a value that
+  failed a check, a tier takes its own references on what it stores, and a chunk is whole or
+  absent, never partly written.
 
 Remote tiers raise `BackendError` subclasses for remote failures; the manager decides what a
 failure means (a miss, a dropped write), the tier never hides one.
@@ -21,7 +23,6 @@ from collections.abc import Sequence
 
 from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import MemoryObj
 
 
 class StorageTier(abc.ABC):
@@ -33,22 +34,7 @@ class StorageTier(abc.ABC):
     def contains(self, specs: Sequence[ChunkSpec]) -> list[bool]: ...
 
     @abc.abstractmethod
-    def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]: ...
-
-    @abc.abstractmethod
-    def put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> int: ...
-
-    @abc.abstractmethod
     def delete(self, keys: Sequence[CacheEngineKey]) -> int: ...
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the tier holds; later calls may fail."""
-
-    def leading_hits(self, specs: Sequence[ChunkSpec]) -> int:
-        """How many leading chunks the tier holds (stops at the first absent one)."""
-        count = 0
-        for present in self.contains(specs):
-            if not present:
-                break
-            count += 1
-        return count

@@ -1,9 +1,10 @@
 """LocalCPUTier: chunks kept in this process's CPU memory, least recently used evicted first.
 
-The tier holds one reference on each `MemoryObj` it keeps; `get` hands the caller a reference
-of its own, so an eviction never frees memory a retrieve is still copying from. Its byte bound
-is the memory pool's: when an allocation (a store's or a Redis read's) finds the pool full, the
-manager asks `evict_for(need)` to free that many bytes, least recently used first.
+The tier holds one reference on each `MemoryObj` it keeps; `get_each` hands the caller a
+reference of its own, so an eviction never frees memory a retrieve is still copying from. Its
+byte bound is the memory pool's: when an allocation (a store's or a Redis read's) finds the
+pool full, the manager asks `evict_for(need)` to free that many bytes, least recently used
+first.
 
 Only an entry the tier alone holds frees memory when it goes: one that the write-behind queue or
 a read in flight also holds stays (evicting it would free nothing and lose a hit). So
@@ -45,14 +46,6 @@ class LocalCPUTier(StorageTier):
     def contains(self, specs: Sequence[ChunkSpec]) -> list[bool]:
         with self._lock:
             return [s.key in self._entries for s in specs]
-
-    def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
-        objs = self.get_each(specs)
-        cut = next((i for i, o in enumerate(objs) if o is None), len(objs))
-        for obj in objs[cut:]:
-            if obj is not None:
-                obj.release()
-        return [o for o in objs[:cut] if o is not None]
 
     def get_each(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj | None]:
         """Per chunk, a reference the caller owns, or None; refreshes the LRU order."""

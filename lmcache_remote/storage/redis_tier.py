@@ -341,9 +341,6 @@ class RedisTier(StorageTier):
                 obj.release()
             raise
 
-    def put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> int:
-        return sum(self.put_each(keys, objs))
-
     def put_each(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> list[bool]:
         """Writes the chunks, each in one atomic command; per chunk, whether it landed.
 
