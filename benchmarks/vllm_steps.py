@@ -86,9 +86,10 @@ def store_prefix(model: Any, url: str, prefix: str) -> None:
 
 
 def in_flight(engine: rig.Instance) -> bool:
-    workers = [r.connector._worker for r in engine.ranks if r.connector is not None]
-    return any(w._recving or any(not f.done() for fs in w._saving.values() for f in fs)
-               for w in workers)
+    background = [r.connector._worker._background for r in engine.ranks
+                  if r.connector is not None]
+    return any(b._recving or any(not f.done() for fs in b._saving.values() for f in fs)
+               for b in background)
 
 
 def run_mode(model: Any, server: RedisServer, name: str, extra: dict[str, Any] | None,

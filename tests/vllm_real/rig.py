@@ -424,9 +424,11 @@ class Instance:
 
     def wait_for_background(self, deadline: float, *, every: bool = False) -> None:
         """Wait until one (or `every`) background load or store of the workers is over."""
-        workers = [r.connector._worker for r in self.ranks if r.connector is not None]
-        pending = [f for w in workers for f in w._recving.values()]
-        pending += [f for w in workers for fs in w._saving.values() for f in fs if not f.done()]
+        background = [r.connector._worker._background for r in self.ranks
+                      if r.connector is not None]
+        pending = [f for b in background for f in b._recving.values()]
+        pending += [f for b in background for fs in b._saving.values() for f in fs
+                    if not f.done()]
         if pending:
             wait(pending, timeout=max(0.0, deadline - time.monotonic()),
                  return_when=ALL_COMPLETED if every else FIRST_COMPLETED)

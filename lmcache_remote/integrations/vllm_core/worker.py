@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 
 import torch
 
 from lmcache_remote import startup
 from lmcache_remote.connectors import PagedKV
 from lmcache_remote.engine import CacheEngine
+from lmcache_remote.integrations.vllm_core.background import (
+    BackgroundTransfers,
+    step_event,
+    transfer_stream,
+)
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span
 from lmcache_remote.integrations.vllm_core.proof import ProvenLayout, proven_layout
 from lmcache_remote.integrations.vllm_core.settings import (
@@ -31,9 +34,6 @@ from lmcache_remote.storage.connections import (
 from lmcache_remote.storage.lanes import background_reads
 
 logger = logging.getLogger(__name__)
-#: Background stores (async_save) that may wait for the saver thread at once. Their chunk
-#: buffers come from the memory budget; this bounds the tasks (and the blocks they keep).
-MAX_WAITING_STORES = 64
 
 
 class WorkerSide:
@@ -61,12 +61,7 @@ class WorkerSide:
         self._stores_started = False
         self._gaps: dict[str, int] = {}  # request -> first planned token that did not load
         self._async_plans: list[RequestPlan] = []
-        self._recving: dict[str, Future[set[int]]] = {}  # background loads, not yet reported
-        self._loader: ThreadPoolExecutor | None = None
-        self._saver: ThreadPoolExecutor | None = None
-        self._saving: dict[str, list[Future[None]]] = {}  # background stores per request
-        self._save_reqs: set[str] = set()  # requests with a store planned (async_save)
-        self._finishing: set[str] = set()  # finished by vLLM, stores maybe still running
+        self._background = BackgroundTransfers()
         self._errors: set[int] = set()
         self._log = RateLimitedLogger(logger)
 
@@ -155,7 +150,7 @@ class WorkerSide:
         self._stores_started = False
         for plan in self._plans:
             if plan.save is not None and self.settings.async_save:
-                self._save_reqs.add(plan.req_id)
+                self._background.expect_stores(plan.req_id)
             gap = self._gaps.get(plan.req_id)
             if gap is not None and (plan.load is not None
                                     or (plan.save is not None and plan.save.start <= gap)):
@@ -166,29 +161,17 @@ class WorkerSide:
         reported by `finished_stores` once done)."""
         for req_id in req_ids:
             self._gaps.pop(req_id, None)
-            if req_id in self._save_reqs:
-                self._save_reqs.discard(req_id)
-                self._finishing.add(req_id)
+            self._background.forget(req_id)
 
     def finished_stores(self) -> set[str]:
         """Finished requests whose background stores are all done: vLLM may free their
         blocks now (a failed store counts as done: it is dropped, the blocks are freed)."""
-        done = {r for r in self._finishing
-                if all(f.done() for f in self._saving.get(r, ()))}
-        for req_id in done:
-            self._finishing.discard(req_id)
-            self._saving.pop(req_id, None)
-        return done
+        return self._background.finished_stores()
 
     def wait_for_stores(self, req_ids: Iterable[str]) -> None:
         """Block until these requests' background stores are done (vLLM preempted them: their
         blocks are about to be reused)."""
-        for req_id in req_ids:
-            futures = self._saving.pop(req_id, [])
-            for future in futures:
-                future.exception()  # waits; the store logs its own failure
-            if req_id in self._finishing:
-                self._saving[req_id] = futures  # still to be reported as finished
+        self._background.wait_for_stores(req_ids)
 
     def start_load(self) -> None:
         """Start this step's loads (once; later calls do nothing). vLLM calls it before the
@@ -198,7 +181,8 @@ class WorkerSide:
             return
         self._loads_started = True
         for plan in self._async_plans:
-            self._submit(plan)
+            self._background.submit_load(plan.req_id,
+                                         functools.partial(self._load_in_background, plan))
         self._async_plans = []
         for plan in self._plans:
             if plan.load is not None and plan.load.end > plan.load.start:
@@ -207,10 +191,10 @@ class WorkerSide:
     def finished_loads(self) -> set[str]:
         """Requests whose background load is over (loaded, short or failed: vLLM must learn
         of each once); their missing blocks join `take_load_errors` in the same step."""
-        done = {req_id for req_id, fut in self._recving.items() if fut.done()}
-        for req_id in done:
-            self._errors |= self._recving.pop(req_id).result()
-        return done
+        done = self._background.finished_loads()
+        for missed in done.values():
+            self._errors |= missed
+        return set(done)
 
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
@@ -238,10 +222,12 @@ class WorkerSide:
         if not self.can_save:
             return
         if self.settings.async_save:
-            event = _step_event(self._layers)
+            event = step_event(self._layers)
             for plan in self._plans:
                 if plan.save is not None and not self._over_gap(plan):
-                    self._submit_store(plan, event)
+                    self._background.submit_store(
+                        plan.req_id, functools.partial(self._store_in_background, plan, event),
+                        self._count_save_wait)
             return
         if self.settings.layerwise:
             self._start_stores()
@@ -267,10 +253,7 @@ class WorkerSide:
         failed, nothing is stored)."""
         self._finish_loads()
         self._abort_stores()
-        pending: list[Future[Any]] = [*self._recving.values(),
-                                      *(f for fs in self._saving.values() for f in fs)]
-        for future in pending:
-            future.exception()  # waits; each logs its own failure
+        self._background.wait_all()
         self._plans, self._async_plans = [], []
         self._asleep = True
 
@@ -280,10 +263,7 @@ class WorkerSide:
     def close(self) -> None:
         self._finish_loads()
         self._abort_stores()
-        for executor in (self._loader, self._saver):
-            if executor is not None:  # no access to the cache after this returns
-                executor.shutdown(wait=True)
-        self._loader = self._saver = None
+        self._background.close()  # no access to the cache after this returns
         if self.engine is not None:
             self.engine.close()
 
@@ -295,18 +275,11 @@ class WorkerSide:
                 continue
             missed = self._missed_blocks(plan, 0)
             if plan.async_load:
-                done: Future[set[int]] = Future()
-                done.set_result(missed)
-                self._recving[plan.req_id] = done
+                self._background.refuse_load(plan.req_id, missed)
             else:
                 self._errors |= missed
 
-    # -- background loads -----------------------------------------------------------------------
-
-    def _submit(self, plan: RequestPlan) -> None:
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-load")
-        self._recving[plan.req_id] = self._loader.submit(self._load_in_background, plan)
+    # -- background transfers (`background.BackgroundTransfers` runs them) -----------------
 
     def _load_in_background(self, plan: RequestPlan) -> set[int]:
         """A whole load on the loader thread; its missing blocks (touches no shared state but
@@ -314,7 +287,7 @@ class WorkerSide:
         span = _span(plan.load)
         hit_end = 0
         try:  # a background load yields the read lanes to the step's loads
-            with self._loader_stream(), background_reads():
+            with transfer_stream(self._layers), background_reads():
                 hit = self._engine().retrieve(plan.token_ids[: span.end], self._kv(plan, span.end),
                                               self._mask(span.skip, span.end),
                                               cache_salt=plan.cache_salt)
@@ -323,43 +296,17 @@ class WorkerSide:
             self._log.warning("load", "load of request %s failed: %s", plan.req_id, exc)
         return self._missed_blocks(plan, hit_end)
 
-    def _submit_store(self, plan: RequestPlan, event: object | None) -> None:
-        if self._saver is None:
-            self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-save")
-        waiting = [f for fs in self._saving.values() for f in fs if not f.done()]
-        if len(waiting) >= MAX_WAITING_STORES:  # the saver cannot keep up: the step waits
-            self._engine().metrics.inc("vllm.save_backpressure_waits")
-            waiting[0].exception()
-        future = self._saver.submit(self._store_in_background, plan, event)
-        self._saving.setdefault(plan.req_id, []).append(future)
-        self._prune_done(plan.req_id)
-
-    def _prune_done(self, req_id: str) -> None:
-        """Keep a running request's list of background stores short."""
-        futures = self._saving.get(req_id, [])
-        if len(futures) > 1:
-            self._saving[req_id] = [f for f in futures[:-1] if not f.done()] + futures[-1:]
-
     def _store_in_background(self, plan: RequestPlan, event: object | None) -> None:
         """A whole store on the saver thread, after the step's forward (on CUDA its stream
         first waits for `event`, recorded when the step's KV was written; untested)."""
         try:
-            with self._loader_stream(event):
+            with transfer_stream(self._layers, event):
                 self._store_whole(plan)
         except Exception as exc:
             self._log.warning("store", "store of request %s failed: %s", plan.req_id, exc)
 
-    @contextlib.contextmanager
-    def _loader_stream(self, event: object | None = None) -> Iterator[None]:
-        """On CUDA, the loader's copies run on a stream of their own (untested: no GPU here)."""
-        if not self._layers or not self._layers[0].is_cuda:
-            yield
-            return
-        stream = torch.cuda.Stream(self._layers[0].device)  # one per transfer: threads differ
-        if event is not None:
-            stream.wait_event(event)  # type: ignore[arg-type]
-        with torch.cuda.stream(stream):
-            yield
+    def _count_save_wait(self) -> None:
+        self._engine().metrics.inc("vllm.save_backpressure_waits")
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -508,16 +455,6 @@ class _PendingStore:
     gen: Generator[int | None, None, None]
     total_steps: int
     steps_done: int = 0
-
-
-def _step_event(layers: Sequence[torch.Tensor]) -> object | None:
-    """On CUDA, an event recorded now on the current stream: the point the step's KV is
-    written at, which background copies must wait for."""
-    if not layers or not layers[0].is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 def _span(span: Span | None) -> Span:
