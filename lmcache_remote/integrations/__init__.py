@@ -1,1 +1,1 @@
-"""Engine adapters (transformers, vLLM). Each submodule imports its engine only when used."""
+"""Engine adapters (transformers, vLLM, SGLang); each imports its engine only when used."""

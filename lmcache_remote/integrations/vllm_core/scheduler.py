@@ -1,4 +1,28 @@
-"""The scheduler side: hit counting and per-step plans (see the package docstring)."""
+"""The scheduler side: hit counting and per-step plans.
+
+Scheduler side (`SchedulerSide`, one per vLLM engine, in the scheduler process):
+
+- `num_new_matched_tokens(req_id, prompt, num_computed, cache_salt)`: the prompt tokens past
+  `num_computed` (vLLM's own prefix cache) that the cache can load now: one `PrefixLookup`
+  over every rank's key namespace in one Redis round trip (a token counts when every rank
+  holds it), never the whole prompt (vLLM must compute
+  at least one token to sample from: a hit on the whole prompt is cut to the last chunk
+  boundary before its last token). May be called several times for one request.
+- `after_alloc(req_id, num_external, cache_salt)`: vLLM allocated blocks for the hit; the load
+  is now promised to the worker.
+- `build(new, cached, num_scheduled, finished)`: the step's `RequestPlan`s: per request the
+  tokens, their slots, what to load (whole chunks from the last chunk boundary at or before
+  `num_computed`) and what to store (the prompt's chunks completed by this step and not yet
+  stored or known to be stored). Only prompt tokens are stored, never decode tokens. A
+  request that vLLM rolled back (`num_computed` below what was counted as stored: a short
+  load being recomputed) has its chunks from there on stored again.
+- `loads_async(n)`: whether a hit of `n` tokens is offered as an asynchronous load
+  (`async_load_min_tokens`); such a load is planned from the blocks given to `after_alloc`,
+  in the next `build`, while vLLM keeps the request waiting. With `lookup_wait_s` lookups run
+  on a thread (`BackgroundLookup`) and answer None while still running.
+- `finish(req_id)`: forget the request; True (with `async_save`) when vLLM must keep its
+  blocks until the workers report its background stores done.
+"""
 
 from __future__ import annotations
 

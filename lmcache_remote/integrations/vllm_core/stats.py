@@ -1,4 +1,5 @@
-"""The connector's figures in vLLM's own metrics (no vLLM import here; `vllm.py` wires it).
+"""The connector's figures in vLLM's own metrics (no vLLM import here:
+`integrations.vllm.metrics` wires it).
 
 vLLM collects connector figures through its connector stats interface: each worker's and the
 scheduler's `get_kv_connector_stats()` every step, summed (`aggregate`) and sent to the API

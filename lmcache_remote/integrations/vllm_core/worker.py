@@ -1,4 +1,32 @@
-"""The worker side: one rank's loads and stores (see the package docstring)."""
+"""The worker side: one rank's loads and stores.
+
+Worker side (`WorkerSide`, one per rank, in the worker process):
+
+- `register(kv_caches, use_mla=, dtype=, block_size=)`: the per-layer paged caches, in layer
+  order, with what the KV cache spec says (MLA or not, the values' dtype, the scheduler's
+  block size); the layout (`layer_view`: vLLM 0.33's `[blocks, heads, block_size, K|V]`
+  views in any physical layout, MLA's `[blocks, 1, block_size, latent]`, and older shapes)
+  and the geometry come from them; opens the rank's `CacheEngine`.
+- `begin_step(plans)`: the step's plans, taken when vLLM binds the metadata, before the
+  forward: vLLM 0.33 calls `start_load_kv` after the forward in steps without a synchronous
+  load, and the stores of those steps must still run layer by layer inside the forward.
+- `start_load()`: loads every planned hit (once per step): whole (`retrieve`) or, layer-wise,
+  fetches the chunks now and leaves one `retrieve_layer` generator per request.
+- `wait_for_layer(name)`: layer-wise: writes that layer (and any earlier one not yet written)
+  of every pending load; when it returns, the layer's loaded KV is in the cache.
+- `save_layer(name)`: layer-wise: copies that layer of every planned store (`store_layer`).
+- `wait_for_save()`: finishes every store of the step (whole: `store` here) and any load left.
+  A request whose load came back short stores nothing past the gap (that KV was computed
+  over the missing tokens) until a plan made after vLLM's rollback arrives (`begin_step`).
+- `take_load_errors()`: the block ids whose planned KV did not arrive (a miss, a corrupt chunk,
+  Redis down, any exception), so vLLM recomputes from the first of them. Nothing here raises
+  into vLLM: a failure is logged, counted and reported as data.
+- background transfers (`background.BackgroundTransfers`): asynchronous loads on a loader
+  thread, reported by
+  `finished_loads()` (with their missing blocks); with `async_save` the step's stores on a
+  saver thread, `finished_stores()` reporting finished requests whose stores are done and
+  `wait_for_stores(ids)` finishing a preempted request's stores before its blocks are reused.
+"""
 
 from __future__ import annotations
 
