@@ -134,7 +134,7 @@ def test_keyed_writer_and_keyed_reader_round_trip_bit_exact(
         assert reader.lookup(toks) == 3 * CHUNK
         assert _retrieve(reader, toks) == 3 * CHUNK
         assert _counts(reader) == {"unauthenticated": 0, "foreign": 0, "corrupt": 0, "hit": 3}
-        reader.storage.remote.wire = None  # the Python reader (a cluster's path) as well
+        reader.storage.remote.wire.native = False  # the Python reader (TLS's path) as well
         assert _retrieve(reader, toks) == 3 * CHUNK
 
 
@@ -148,7 +148,7 @@ def test_unkeyed_writers_values_are_misses_for_a_keyed_reader_left_in_place(
         assert _retrieve(reader, toks) == 0
         assert _counts(reader) == {"unauthenticated": 1, "foreign": 0, "corrupt": 0, "hit": 0}
         assert reader.lookup(toks) == 0  # no longer promised by this process
-        reader.storage.remote.wire = None
+        reader.storage.remote.wire.native = False
         reader.storage.remote._foreign.clear()
         assert _retrieve(reader, toks) == 0
         assert _counts(reader)["unauthenticated"] == 2
@@ -268,7 +268,7 @@ def test_mixed_fleet_keyed_writer_unkeyed_readers(
         assert reader.lookup(toks) == 2 * CHUNK
         assert _retrieve(reader, toks) == 2 * CHUNK
         assert _counts(reader)["hit"] == 2
-        reader.storage.remote.wire = None
+        reader.storage.remote.wire.native = False
         assert _retrieve(reader, toks) == 2 * CHUNK
     script = _V1_ONLY.format(root=str(ROOT), tests=str(ROOT / "tests"))
     out = subprocess.run([sys.executable, "-c", script, redis_url, key_prefix, "6"],

@@ -169,9 +169,6 @@ class ClusterRedisTier(RedisTier):
             pos += len(keys)
         return out
 
-    def _fast_reads(self) -> bool:
-        return True
-
     def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
                   ahead: int, digests: list[int | None]) -> list[Reply]:
         """The GETs scattered per node, each node's replies received where ``sink`` says (a
@@ -257,7 +254,7 @@ class ClusterRedisTier(RedisTier):
         """Each command's reply, in order; `FAILED` where its node failed.
 
         Raises `BackendError` only when the batch had commands and every node it needed failed.
-        `bulk=False` keeps redis-py's pipeline (replies as `bytes`, what `_decode` expects).
+        `bulk=False` keeps redis-py's pipeline (replies as `bytes`, what `_fetch` hands on).
         `receive`: (sink, expected reply sizes, bytes to keep asked ahead, digest slots) for
         bulk GETs, indexed like ``commands``: each node's bulk replies land where the sink
         says, and their digests where the loop made them, as on a single node.

@@ -236,15 +236,9 @@ class RedisTier(StorageTier):
             return []
         key_lists = [self._keys(s) for s in specs]
 
-        def op() -> list[Any]:
-            if self.wire is not None:
-                return self.wire.execute([self._exists_command(s) for s in specs])
-            pipe = self.client.pipeline(transaction=False)
-            for keys in key_lists:
-                pipe.exists(*keys)
-            return pipe.execute()
-
-        counts = self.caller.call(op)
+        wire = self._bulk()
+        counts: list[Any] = self.caller.call(
+            lambda: wire.execute([self._exists_command(s) for s in specs]))
         present = self._present(specs, key_lists, [int(c) for c in counts])
         if self._foreign:
             present = [p and not self._known_foreign(s.key) for p, s in zip(present, specs,
@@ -270,6 +264,13 @@ class RedisTier(StorageTier):
                                f"Redis: {type(exc).__name__}: {exc}") from exc
         if not isinstance(reply, int):
             raise BackendError(f"the bulk path got {reply!r} for EXISTS")
+
+    def _bulk(self) -> BulkPipeline:
+        """The bulk pipeline every single-server batch goes through (a `redis.Redis`, plain,
+        TLS or Sentinel's master, always has one; a cluster's tier replaces each batch)."""
+        if self.wire is None:
+            raise BackendError(f"the bulk path cannot drive a {type(self.client).__name__}")
+        return self.wire
 
     def _known_foreign(self, key: CacheEngineKey) -> bool:
         with self._foreign_lock:
@@ -324,17 +325,8 @@ class RedisTier(StorageTier):
         within `remote_timeout` (`deadline.call_deadline`): a read cut short there raises."""
         out: list[MemoryObj] = []
         try:
-            if self._fast_reads():
-                with call_deadline(self.config.remote_timeout):
-                    self._get_wire(specs, out)
-                return out
-            for window in self._windows(specs):
-                values = self._fetch([self._keys(s) for s in window])
-                for spec, vals in zip(window, values, strict=True):
-                    obj = self._decode(spec, vals)
-                    if obj is None:
-                        return out
-                    out.append(obj)
+            with call_deadline(self.config.remote_timeout):
+                self._get_wire(specs, out)
             return out
         except BaseException:  # a later window failed: the earlier ones' buffers go back
             for obj in out:
@@ -530,11 +522,11 @@ class RedisTier(StorageTier):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _windows(self, specs: Sequence[ChunkSpec], window_bytes: int = 0
+    def _windows(self, specs: Sequence[ChunkSpec], window_bytes: int
                  ) -> list[Sequence[ChunkSpec]]:
-        """The specs cut into windows of about ``window_bytes`` (`_WINDOW_BYTES` by default)."""
+        """The specs cut into windows of about ``window_bytes``."""
         sizes = [self.layout.nbytes(spec.num_tokens) for spec in specs]
-        return [specs[w.start:w.stop] for w in byte_windows(sizes, window_bytes or _WINDOW_BYTES)]
+        return [specs[w.start:w.stop] for w in byte_windows(sizes, window_bytes)]
 
     def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
         def op() -> list[Any]:
@@ -550,15 +542,8 @@ class RedisTier(StorageTier):
                seals: Sequence[Seal | None] | None = None) -> list[bool]:
         """Write one window of chunks; per chunk, whether it landed (here all or none: a
         failure raises). ``seals``: per chunk, the checksums the wire fills in as it sends."""
-        def op() -> list[Any]:
-            if self.wire is not None:
-                return self.wire.execute(self._write_commands(batch), seals=seals)
-            pipe = self.client.pipeline(transaction=False)
-            for keys, values in batch:
-                pipe.execute_command(*chunk_write_command(keys, values, self._ttl_ms))
-            return pipe.execute()
-
-        self.caller.call(op)
+        wire = self._bulk()
+        self.caller.call(lambda: wire.execute(self._write_commands(batch), seals=seals))
         nbytes = sum(value_nbytes(v) for _, values in batch for v in values)
         self.metrics.inc("remote.written_chunks", len(batch))
         self.metrics.inc("remote.written_bytes", nbytes)
@@ -661,20 +646,17 @@ class RedisTier(StorageTier):
         replies = self._bulk_get(flat, sink, sizes, read_ahead(totals), digests)
         return regroup(replies, key_lists), regroup(digests, key_lists)
 
-    def _fast_reads(self) -> bool:
-        """Whether `get` receives through `wire.BulkPipeline` (`_get_wire`)."""
-        return self.wire is not None
-
     def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
                   ahead: int, digests: list[int | None]) -> list[Reply]:
         """Each GET's reply, received where ``sink`` says; None for a missing value. ``sizes``:
         each reply's expected bytes; ``ahead``: the bytes to keep asked for (`read_ahead`);
         ``digests``: filled where the receive loop hashed a reply (`BulkPipeline.execute`)."""
 
+        wire = self._bulk()
+
         def op() -> list[Reply]:
-            assert self.wire is not None
-            return self.wire.execute(commands, sink, reply_sizes=sizes, inflight_bytes=ahead,
-                                     digests=digests, max_bulk=self._longest)
+            return wire.execute(commands, sink, reply_sizes=sizes, inflight_bytes=ahead,
+                                digests=digests, max_bulk=self._longest)
 
         return list(self.caller.call(op))
 
@@ -727,40 +709,6 @@ class RedisTier(StorageTier):
                 f"value {index} is {len(view)} bytes, expected {header.value_nbytes(index)}"
             )
         return view[header.header_nbytes:] if index == 0 else view
-
-    def _decode(self, spec: ChunkSpec, values: list[bytes | None]) -> MemoryObj | None:
-        """The checked chunk, or None (missing, bad, or no memory); bad values are deleted."""
-        if values[0] is None:
-            self.metrics.inc("remote.miss_chunks")
-            return None
-        try:
-            header = self._read_header(spec, values[0])
-            values = self._all_parts(spec, header, values)
-            if self.integrity is not None:
-                stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
-                self._authenticate(spec, header, stored, [None] * len(stored))
-            obj = self.allocate(spec.num_tokens)
-            if obj is None:
-                self.metrics.inc("remote.pool_full")
-                return None
-            try:
-                self.serde.decode_into(
-                    header, values, obj, spec.key.hash_bytes,
-                    expected_shape=self.layout.shape(spec.num_tokens),
-                    expected_dtype=self.layout.dtype,
-                )
-            except BaseException:
-                obj.release()
-                raise
-        except ForeignEntryError as exc:
-            self._skip_foreign(spec, exc)
-            return None
-        except CorruptEntryError as exc:
-            self._drop_corrupt(spec, exc)
-            return None
-        self.metrics.inc("remote.hit_chunks")
-        self.metrics.inc("remote.read_bytes", sum(len(v) for v in values if v is not None))
-        return obj
 
     def _read_header(self, spec: ChunkSpec, value0: Any) -> ValueHeader:
         """The header of value 0, checked to name this chunk before anything else is (a value
