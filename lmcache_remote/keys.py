@@ -18,10 +18,13 @@ import dataclasses
 import functools
 import hashlib
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from lmcache_remote.errors import KeyFormatError
 
 KEY_VERSION = "v1"
+_K = TypeVar("_K")
 PART_SEP = "#"
 _HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 _DTYPE_RE = re.compile(r"^[a-z][a-z0-9_]{1,31}$")
@@ -142,13 +145,20 @@ def _int(text: str) -> int:
 
 def split_part_key(prefix: str, key: str | bytes) -> tuple[CacheEngineKey, int]:
     """(the chunk's key, the part index) of any value key under `prefix`."""
+    return _split_part(prefix, key, CacheEngineKey.from_redis_key)
+
+
+def _split_part(prefix: str, key: str | bytes, parse: Callable[[str, str], _K]
+                ) -> tuple[_K, int]:
+    """(the key ``parse`` makes of the value's base key, the part index) of a value key:
+    ``base`` is part 0, ``base#i`` part ``i`` (``i`` canonical decimal, at least 1)."""
     text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
     base, sep, index = text.rpartition(PART_SEP)
     if sep and base.endswith("}"):
         if not (index.isascii() and index.isdigit()) or index.startswith("0"):
             raise KeyFormatError(f"bad part index in {text!r}")
-        return CacheEngineKey.from_redis_key(prefix, base), int(index)
-    return CacheEngineKey.from_redis_key(prefix, text), 0
+        return parse(prefix, base), int(index)
+    return parse(prefix, text), 0
 
 
 def _glob_escape(text: str) -> str:
@@ -306,10 +316,4 @@ def page_scan_pattern(prefix: str, model_name: str | None = None,
 
 def split_page_part_key(prefix: str, key: str | bytes) -> tuple[PageKey, int]:
     """(the page's key, the part index) of any page value key under `prefix`."""
-    text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-    base, sep, index = text.rpartition(PART_SEP)
-    if sep and base.endswith("}"):
-        if not (index.isascii() and index.isdigit()) or index.startswith("0"):
-            raise KeyFormatError(f"bad part index in {text!r}")
-        return PageKey.from_redis_key(prefix, base), int(index)
-    return PageKey.from_redis_key(prefix, text), 0
+    return _split_part(prefix, key, PageKey.from_redis_key)

@@ -36,7 +36,7 @@ from lmcache_remote.admin.snapshot import (
 )
 from lmcache_remote.errors import KeyFormatError
 from lmcache_remote.keys import absolute_key, relative_key, split_page_part_key, split_part_key
-from lmcache_remote.storage.redis_commands import chunk_write_command
+from lmcache_remote.storage.redis_commands import chunk_write_command, iter_windows
 
 WINDOW_BYTES = 64 * 1024 * 1024
 Progress = Callable[[int], None] | None
@@ -53,16 +53,7 @@ class TransferResult:
 
 
 def _windows(entries: Iterable[Entry]) -> Iterator[list[Entry]]:
-    window: list[Entry] = []
-    size = 0
-    for entry in entries:
-        window.append(entry)
-        size += entry.nbytes
-        if size >= WINDOW_BYTES:
-            yield window
-            window, size = [], 0
-    if window:
-        yield window
+    return iter_windows(entries, lambda entry: entry.nbytes, WINDOW_BYTES)
 
 
 def export_snapshot(client: Any, prefix: str, path: str | os.PathLike[str],
@@ -162,21 +153,19 @@ def import_snapshot(client: Any, prefix: str, path: str | os.PathLike[str], *,
         verify_snapshot(path, prefix)
     chunks = nbytes = skipped = 0
     with SnapshotReader(path) as reader:
-        window: list[tuple[list[str], SnapshotRecord]] = []
-        size = 0
-        for record in reader.records():
-            base = _chunk_key(reader, prefix, record)
-            keys = [base] + [f"{base}#{i}" for i in range(1, len(record.values))]
-            window.append((keys, record))
-            size += record.nbytes
-            if size >= WINDOW_BYTES:
-                done, left = _write_window(client, window, skip_existing, progress)
-                chunks, nbytes, skipped = chunks + done[0], nbytes + done[1], skipped + left
-                window, size = [], 0
-        if window:
+        for window in iter_windows(_keyed(reader, prefix), lambda kr: kr[1].nbytes,
+                                   WINDOW_BYTES):
             done, left = _write_window(client, window, skip_existing, progress)
             chunks, nbytes, skipped = chunks + done[0], nbytes + done[1], skipped + left
     return TransferResult(chunks, nbytes, skipped)
+
+
+def _keyed(reader: SnapshotReader, prefix: str
+           ) -> Iterator[tuple[list[str], SnapshotRecord]]:
+    """Each record of the file with the value keys it goes under."""
+    for record in reader.records():
+        base = _chunk_key(reader, prefix, record)
+        yield [base] + [f"{base}#{i}" for i in range(1, len(record.values))], record
 
 
 def _write_window(client: Any, window: list[tuple[list[str], SnapshotRecord]],

@@ -30,9 +30,7 @@ node failure, unhealthy after one with any.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +50,7 @@ from lmcache_remote.storage.bulk import BulkPipeline, Reply, Seal, Sink, apply_s
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
-from lmcache_remote.storage.redis_tier import Allocator, RedisTier, sockets_in_use
+from lmcache_remote.storage.redis_tier import Allocator, RedisTier, shut_down_in_use
 
 logger = logging.getLogger(__name__)
 
@@ -238,9 +236,7 @@ class ClusterRedisTier(RedisTier):
             caller.gate.close()
         cluster = self._cluster
         for node in cluster.get_nodes() if cluster is not None else ():
-            for sock in sockets_in_use(node.redis_connection):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            shut_down_in_use(node.redis_connection)
 
     def close(self) -> None:
         self.stop_io()

@@ -10,8 +10,8 @@ a chunk's replies (`regroup`, `listed_part_count`). Nothing here talks to Redis.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from lmcache_remote.errors import CorruptEntryError
 from lmcache_remote.hashing import ChunkSpec
@@ -20,6 +20,7 @@ from lmcache_remote.value_format import HEADER_FIXED, MAGIC, known_version
 #: Reply bytes asked for and not yet read on the fast read path, at most (`read_ahead`'s cap:
 #: for 32 MiB chunks a little over two of their 3.49 MiB parts), so Redis prepares the next
 #: reply while this side reads one, and never buffers a whole window.
+_T = TypeVar("_T")
 INFLIGHT_BYTES = 8 * 1024 * 1024
 #: Chunks asked for and not yet read per read connection (`read_ahead`).
 READ_AHEAD_CHUNKS = 2
@@ -130,15 +131,25 @@ def listed_part_count(spec: ChunkSpec, head: Any) -> int | None:
 def byte_windows(sizes: Sequence[int], window_bytes: int) -> list[range]:
     """Consecutive runs of indexes into `sizes`, each closed once it holds ``window_bytes``
     (so at least one item): the windows of a put or a get."""
-    out, start, size = [], 0, 0
-    for i, nbytes in enumerate(sizes):
-        size += nbytes
+    return [range(w[0], w[-1] + 1)
+            for w in iter_windows(range(len(sizes)), sizes.__getitem__, window_bytes)]
+
+
+def iter_windows(items: Iterable[_T], size_of: Callable[[_T], int], window_bytes: int
+                 ) -> Iterator[list[_T]]:
+    """The items in consecutive windows, each closed once its items' ``size_of`` add up to
+    ``window_bytes`` (so at least one item), the last one with what is left; lazily, for a
+    stream of items (an export's scan, an import's records)."""
+    window: list[_T] = []
+    size = 0
+    for item in items:
+        window.append(item)
+        size += size_of(item)
         if size >= window_bytes:
-            out.append(range(start, i + 1))
-            start, size = i + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
+            yield window
+            window, size = [], 0
+    if window:
+        yield window
 
 
 def value_nbytes(value: Any) -> int:

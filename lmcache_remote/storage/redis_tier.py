@@ -136,6 +136,14 @@ def sockets_in_use(client: Any) -> list[socket.socket]:
             if (sock := getattr(conn, "_sock", None)) is not None]
 
 
+def shut_down_in_use(client: Any) -> None:
+    """Shuts down (`socket.shutdown`, not close) every socket of `sockets_in_use`: a send or
+    receive blocked on it returns at once, and its descriptor cannot be reused meanwhile."""
+    for sock in sockets_in_use(client):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 def longest_value(raw_nbytes: int) -> int:
     """The longest value a chunk of up to ``raw_nbytes`` raw bytes can have, whoever cut it
     (parts of at least 4 KiB): the whole chunk in one value, a compressing codec's worst-case
@@ -469,9 +477,7 @@ class RedisTier(StorageTier):
         native loop). The sockets stay open, so their descriptors cannot be reused under a
         thread that still holds one; `close` closes them once every thread is done."""
         self.gate.close()
-        for sock in sockets_in_use(self.client):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        shut_down_in_use(self.client)
 
     def touch_later(self, specs: Sequence[ChunkSpec]) -> None:
         """Refresh these chunks' LRU clocks in Redis soon (`toucher.Toucher`): chunks a lookup
