@@ -134,3 +134,11 @@ def plan_part_size(raw_nbytes: int, max_part: int) -> int:
                 if size > 0 and -(-raw_nbytes // size) == parts >= 2:
                     candidates.add(size)
     return min(candidates, key=lambda size: (plan_cost(raw_nbytes, size), -size))
+
+
+def longest_value(raw_nbytes: int) -> int:
+    """The longest value a chunk of up to ``raw_nbytes`` raw bytes can have, whoever cut it
+    (parts of at least 4 KiB): the whole chunk in one value, a compressing codec's worst-case
+    growth, the header of the most parts. A read refuses a longer reply before allocating
+    anything for it."""
+    return 2 * raw_nbytes + _header(-(-raw_nbytes // 4096)) + (64 << 10)

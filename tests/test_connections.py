@@ -4,7 +4,7 @@ is busy and a retrieve runs over the read lanes.
 
 The server's writes are paused (`CLIENT PAUSE WRITE`): each write lane then holds its
 connection in a SET that waits, the stats publisher in its HSET, while reads (GET, EXISTS)
-still run. Windows are made one chunk small (`_WINDOW_BYTES` patched), so a store of a few
+still run. Windows are made one chunk small (`WINDOW_BYTES` patched), so a store of a few
 dozen small chunks fills every lane, as a store of real 32 MiB chunks does."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from kvutil import engine, tokens, view
 
 from lmcache_remote import CacheConfig
-from lmcache_remote.storage import redis_tier
+from lmcache_remote.storage import redis_commands
 from lmcache_remote.storage.connections import (
     ConnectionCount,
     engine_connections,
@@ -35,7 +35,7 @@ N = 9 * CHUNK  # one chunk per window: more windows than the 8 write lanes
 
 @pytest.fixture(autouse=True)
 def one_chunk_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_tier, "_WINDOW_BYTES", CHUNK_BYTES)
+    monkeypatch.setattr(redis_commands, "WINDOW_BYTES", CHUNK_BYTES)
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ against a real Redis: every chunk lands whole, a window whose connection breaks 
 (its chunks are not counted as written, and none is left half-written), the encoded bytes in
 flight stay within the write budget, and a get still serves exactly the leading run of hits.
 
-Windows are made small here (`_WINDOW_BYTES` patched) so that one put of a few dozen small
+Windows are made small here (`WINDOW_BYTES` patched) so that one put of a few dozen small
 chunks is cut into several windows, as a put of real 32 MiB chunks is."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lmcache_remote import CacheConfig
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase
 from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics
-from lmcache_remote.storage import redis_tier
+from lmcache_remote.storage import redis_commands, redis_tier
 from lmcache_remote.storage.bulk import pack
 from lmcache_remote.storage.lanes import background_reads
 from lmcache_remote.storage.redis_commands import ByteBudget, command_key
@@ -39,7 +39,7 @@ N_CHUNKS = 16
 
 @pytest.fixture(autouse=True)
 def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_tier, "_WINDOW_BYTES",
+    monkeypatch.setattr(redis_commands, "WINDOW_BYTES",
                         redis_tier.WRITE_LANES * PER_WINDOW * CHUNK_BYTES)
 
 
@@ -80,7 +80,7 @@ def test_a_put_over_several_connections_writes_every_chunk(
     reader = make_tier(redis_url, key_prefix, pool, "raw")
     tiers += [writer, reader]
     specs, objs = make_chunks(pool, seed=1)
-    assert len(writer._write_windows(objs, redis_tier._WINDOW_BYTES // writer.write_lanes)) == (
+    assert len(writer._write_windows(objs, redis_commands.WINDOW_BYTES // writer.write_lanes)) == (
         N_CHUNKS // PER_WINDOW
     )
     assert sum(writer.put_each([s.key for s in specs], objs)) == N_CHUNKS
@@ -245,7 +245,7 @@ def test_the_steps_reads_go_before_a_background_load(
     that comes after takes the next free lane before the background's waiting windows: it
     waits only for the windows already in flight (one per lane). Redis is paused while both
     queue up, so the order is the lanes' choice, not the network's."""
-    monkeypatch.setattr(redis_tier, "_WINDOW_BYTES", 2 * CHUNK_BYTES)  # one chunk a window
+    monkeypatch.setattr(redis_commands, "WINDOW_BYTES", 2 * CHUNK_BYTES)  # one chunk a window
     tier = make_tier(private_redis.url, key_prefix, pool)
     tiers.append(tier)
     tier.read_lanes = 2

@@ -1,7 +1,9 @@
 """ClusterRedisTier: the Redis tier over a Redis/Valkey Cluster, one shard's failure a local miss.
 
-It keeps RedisTier's layout, checks and windows, and replaces the four batch operations
-(`contains`, `_fetch`, `_write`, `delete`) with a per-node scatter/gather:
+It keeps RedisTier's layout, checks and windows, and replaces the batch operations with a
+per-node scatter/gather: `ClusterLookup` the lookups (`contains`, and all the vLLM scheduler's
+lookup of a cluster needs), `ClusterRedisTier` also the reads, writes and deletes (`_fetch`,
+`_bulk_get`, `_write`, `delete`):
 
 - Every command of a batch names one chunk's keys, which share a hash slot (the `{hash}` tag),
   so the batch is grouped by the slot's primary node (from the client's slot table), sent as
@@ -50,7 +52,8 @@ from lmcache_remote.storage.bulk import BulkPipeline, Reply, Seal, Sink, apply_s
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
-from lmcache_remote.storage.redis_tier import Allocator, RedisTier, shut_down_in_use
+from lmcache_remote.storage.redis_tier import Allocator, RedisTier
+from lmcache_remote.storage.remote_lookup import RemoteLookup, shut_down_in_use
 
 logger = logging.getLogger(__name__)
 
@@ -81,20 +84,23 @@ class _Unconnected:
         pass
 
 
-class ClusterRedisTier(RedisTier):
-    """RedisTier over a `RedisCluster`; see the module doc. Thread-safe."""
+class ClusterLookup(RemoteLookup):
+    """`RemoteLookup` over a `RedisCluster` (the vLLM scheduler's lookup of a cluster, and the
+    lookups of `ClusterRedisTier`); see the module doc. Thread-safe."""
 
     def __init__(
         self,
         config: CacheConfig,
         layout: ChunkLayout,
-        pool: MemoryPool,
         metrics: Metrics,
         client: RedisCluster | None = None,
-        allocate: Allocator | None = None,
     ) -> None:
-        super().__init__(config, layout, pool, metrics, client=cast(Any, _Unconnected()),
-                         allocate=allocate)
+        RemoteLookup.__init__(self, config, layout, metrics, client=cast(Any, _Unconnected()))
+        self._init_cluster(client)
+
+    def _init_cluster(self, client: RedisCluster | None) -> None:
+        """The cluster's own state, after the base's (`client` stands in until then)."""
+        config = self.config
         self._cluster: RedisCluster | None = client
         if client is not None:
             self.client = cast(Any, client)
@@ -143,7 +149,7 @@ class ClusterRedisTier(RedisTier):
                 self._callers[node.name] = caller
             return caller
 
-    # -- the four batch operations ------------------------------------------------------------
+    # -- lookups ------------------------------------------------------------
 
     def contains(self, specs: Sequence[Any]) -> list[bool]:
         if not specs:
@@ -156,66 +162,6 @@ class ClusterRedisTier(RedisTier):
     def _lookup_run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """`RedisTier._lookup_run` per node (a failed node's replies are `FAILED`)."""
         return self._run(list(commands), "lookup", bulk=False)
-
-    def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
-        flat = self._run([("GET", key) for keys in key_lists for key in keys], "get", bulk=False)
-        out: list[list[bytes | None]] = []
-        pos = 0
-        for keys in key_lists:
-            values = flat[pos:pos + len(keys)]
-            out.append([v if isinstance(v, bytes) else None for v in values])
-            pos += len(keys)
-        return out
-
-    def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
-                  ahead: int, digests: list[int | None]) -> list[Reply]:
-        """The GETs scattered per node, each node's replies received where ``sink`` says (a
-        callable sink is called from the nodes' threads one at a time); a failed node's values
-        are misses (None)."""
-        if callable(sink):
-            lock = threading.Lock()
-            inner = sink
-
-            def sink(index: int, length: int) -> Any:
-                with lock:
-                    return inner(index, length)
-
-        results = self._run(commands, "get", receive=(sink, sizes, ahead, digests))
-        return [None if r is FAILED or isinstance(r, Exception) else r for r in results]
-
-    def _write(self, batch: Sequence[tuple[list[str], list[Any]]],
-               seals: Sequence[Seal | None] | None = None) -> list[bool]:
-        """Per chunk, whether it landed: a node that failed loses only its own chunks. The
-        cluster has no `wire` of its own, so its values come sealed (``seals`` is None)."""
-        apply_seals(seals or ())
-        commands: list[Command] = []
-        owner: list[int] = []  # the batch entry each command belongs to
-        for i, (keys, values) in enumerate(batch):
-            commands.append(chunk_write_command(keys, values, self._ttl_ms))
-            owner.append(i)
-        results = self._run(commands, "write")
-        ok = [True] * len(batch)
-        for i, result in zip(owner, results, strict=True):
-            if result is FAILED or isinstance(result, Exception):
-                ok[i] = False
-        written = sum(ok)
-        nbytes = sum(
-            len(memoryview(v)) for (_, values), good in zip(batch, ok, strict=True) if good
-            for v in values
-        )
-        self.metrics.inc("remote.written_chunks", written)
-        self.metrics.inc("remote.written_bytes", nbytes)
-        return ok
-
-    def delete(self, keys: Sequence[CacheEngineKey]) -> int:
-        if not keys:
-            return 0
-        names, heads = self._delete_names(keys)
-        results = self._run([("UNLINK", name) for name in names], "delete")
-        failed = sum(1 for r in results if r is FAILED or isinstance(r, Exception))
-        if failed:
-            raise BackendUnavailableError(f"redis cluster: {failed} deletes failed (node down)")
-        return sum(int(r) for n, r in zip(names, results, strict=True) if n in heads)
 
     def ping(self) -> bool:
         """True if every primary of the cluster answers now."""
@@ -393,6 +339,85 @@ class ClusterRedisTier(RedisTier):
         finally:
             with self._lock:
                 self._refreshing = False
+
+
+
+class ClusterRedisTier(ClusterLookup, RedisTier):
+    """RedisTier over a `RedisCluster`: `ClusterLookup`'s lookups, and reads, writes and
+    deletes scattered per node; see the module doc. Thread-safe."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        layout: ChunkLayout,
+        pool: MemoryPool,
+        metrics: Metrics,
+        client: RedisCluster | None = None,
+        allocate: Allocator | None = None,
+    ) -> None:
+        RedisTier.__init__(self, config, layout, pool, metrics, client=cast(Any, _Unconnected()),
+                           allocate=allocate)
+        self._init_cluster(client)
+
+    def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
+        flat = self._run([("GET", key) for keys in key_lists for key in keys], "get", bulk=False)
+        out: list[list[bytes | None]] = []
+        pos = 0
+        for keys in key_lists:
+            values = flat[pos:pos + len(keys)]
+            out.append([v if isinstance(v, bytes) else None for v in values])
+            pos += len(keys)
+        return out
+
+    def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
+                  ahead: int, digests: list[int | None]) -> list[Reply]:
+        """The GETs scattered per node, each node's replies received where ``sink`` says (a
+        callable sink is called from the nodes' threads one at a time); a failed node's values
+        are misses (None)."""
+        if callable(sink):
+            lock = threading.Lock()
+            inner = sink
+
+            def sink(index: int, length: int) -> Any:
+                with lock:
+                    return inner(index, length)
+
+        results = self._run(commands, "get", receive=(sink, sizes, ahead, digests))
+        return [None if r is FAILED or isinstance(r, Exception) else r for r in results]
+
+    def _write(self, batch: Sequence[tuple[list[str], list[Any]]],
+               seals: Sequence[Seal | None] | None = None) -> list[bool]:
+        """Per chunk, whether it landed: a node that failed loses only its own chunks. The
+        cluster has no `wire` of its own, so its values come sealed (``seals`` is None)."""
+        apply_seals(seals or ())
+        commands: list[Command] = []
+        owner: list[int] = []  # the batch entry each command belongs to
+        for i, (keys, values) in enumerate(batch):
+            commands.append(chunk_write_command(keys, values, self._ttl_ms))
+            owner.append(i)
+        results = self._run(commands, "write")
+        ok = [True] * len(batch)
+        for i, result in zip(owner, results, strict=True):
+            if result is FAILED or isinstance(result, Exception):
+                ok[i] = False
+        written = sum(ok)
+        nbytes = sum(
+            len(memoryview(v)) for (_, values), good in zip(batch, ok, strict=True) if good
+            for v in values
+        )
+        self.metrics.inc("remote.written_chunks", written)
+        self.metrics.inc("remote.written_bytes", nbytes)
+        return ok
+
+    def delete(self, keys: Sequence[CacheEngineKey]) -> int:
+        if not keys:
+            return 0
+        names, heads = self._delete_names(keys)
+        results = self._run([("UNLINK", name) for name in names], "delete")
+        failed = sum(1 for r in results if r is FAILED or isinstance(r, Exception))
+        if failed:
+            raise BackendUnavailableError(f"redis cluster: {failed} deletes failed (node down)")
+        return sum(int(r) for n, r in zip(names, results, strict=True) if n in heads)
 
 
 def _shifted(sink: Sink, indices: Sequence[int]) -> Sink:

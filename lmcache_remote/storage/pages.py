@@ -73,6 +73,7 @@ from lmcache_remote.keys import PageKey, page_scan_pattern
 from lmcache_remote.memory import MemoryObj, MemoryPool
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.serde import Serde
+from lmcache_remote.sizing import longest_value
 from lmcache_remote.storage.bulk import BulkPipeline, Seal, supports
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.deadline import call_deadline
@@ -85,7 +86,6 @@ from lmcache_remote.storage.redis_commands import (
     regroup,
     value_nbytes,
 )
-from lmcache_remote.storage.redis_tier import longest_value
 from lmcache_remote.value_format import (
     Signer,
     ValueHeader,

@@ -21,6 +21,9 @@ from lmcache_remote.value_format import HEADER_FIXED, MAGIC, known_version
 #: for 32 MiB chunks a little over two of their 3.49 MiB parts), so Redis prepares the next
 #: reply while this side reads one, and never buffers a whole window.
 _T = TypeVar("_T")
+#: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
+#: enough that the encoded values and receive arena of one batch stay a modest memory cost.
+WINDOW_BYTES = 64 * 1024 * 1024
 INFLIGHT_BYTES = 8 * 1024 * 1024
 #: Chunks asked for and not yet read per read connection (`read_ahead`).
 READ_AHEAD_CHUNKS = 2

@@ -21,7 +21,7 @@ from lmcache_remote.keys import engine_stats_key
 from lmcache_remote.metrics import Metrics, summed_counters
 from lmcache_remote.reporting import counter_fields, new_engine_id
 from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.remote_lookup import RemoteLookup
 
 __all__ = ["SCHEDULER_COUNTERS", "SchedulerPublisher"]
 
@@ -36,7 +36,7 @@ SCHEDULER_COUNTERS = {
 
 
 class SchedulerPublisher:
-    def __init__(self, config: CacheConfig, remote: RedisTier, sources: list[Metrics],
+    def __init__(self, config: CacheConfig, remote: RemoteLookup, sources: list[Metrics],
                  namespace: Callable[[], str], world_size: int) -> None:
         assert config.stats_publish_interval is not None
         self.engine_id = f"{new_engine_id()}-scheduler"

@@ -34,12 +34,12 @@ from lmcache_remote import startup
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
-from lmcache_remote.memory import ChunkLayout, MemoryPool
+from lmcache_remote.memory import ChunkLayout
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.budget import read_share_bytes, within_read_share
 from lmcache_remote.storage.connections import lookup_connections
-from lmcache_remote.storage.redis_tier import RedisTier
-from lmcache_remote.storage.tiers import make_remote_tier
+from lmcache_remote.storage.remote_lookup import RemoteLookup
+from lmcache_remote.storage.tiers import make_remote_lookup
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ class PrefixLookup:
         self._layout = layout
         self._read_share = read_share_bytes(config)
         self._namespaces = list(namespaces)
-        # A lookup never reads a value: the pool only satisfies the tier's constructor.
-        self._remote: RedisTier | None = (
-            make_remote_tier(config, layout, MemoryPool(0, pin_memory=False), self.metrics)
+        # A lookup never reads a value: keys and `contains` only, no memory, no lanes.
+        self._remote: RemoteLookup | None = (
+            make_remote_lookup(config, layout, self.metrics)
             if config.remote_url is not None else None
         )
         if self._remote is not None and self._remote.toucher is not None:
@@ -69,8 +69,8 @@ class PrefixLookup:
                          connections=lookup_connections(config))
 
     @property
-    def remote(self) -> RedisTier | None:
-        """The lookup's remote tier (None without a `remote_url`)."""
+    def remote(self) -> RemoteLookup | None:
+        """The lookup's remote lookup (None without a `remote_url`)."""
         return self._remote
 
     @property

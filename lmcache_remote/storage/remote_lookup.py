@@ -1,0 +1,309 @@
+"""RemoteLookup: a remote tier's chunk keys, and which chunks Redis/Valkey holds now.
+
+Layout (DESIGN.md, docs/value-format.md): a chunk is one value under its chunk key, or, when
+its bytes pass `remote_part_size`, several values under the chunk key and `#1`, `#2`, ...,
+written together by one command (atomic, and on one Cluster slot thanks to the hash tag). The
+part count follows from the chunk's raw size, so every key of a chunk is known before any
+round trip (`_keys`; the keys and packed `EXISTS` of the hot prefixes are kept built).
+
+- `contains`: one pipeline of `EXISTS key part1 ...` per chunk; present = all parts there.
+  A chunk with only some of its planned keys there may have been cut another way by another
+  writer: for those chunks alone, its header's part count decides (two more round trips), so
+  `contains` counts what `get` reads (one limit: a chunk cut into more parts than planned is
+  counted by its planned keys; a later part of it evicted is found, and the chunk deleted, by
+  the `get`; docs/value-format.md). A chunk a read found foreign is reported absent for a
+  while, so that this process's lookups stop promising what its reads will not serve.
+- `touch_later`: the LRU refresh of chunks a lookup promised (`toucher.Toucher`).
+- On a single server every batch goes through `bulk.BulkPipeline` on redis-py's own pooled
+  connections (a cluster's lookup replaces the batches: `cluster_tier.ClusterLookup`). Every
+  call goes through `RemoteCaller`: bounded by `remote_timeout`, one immediate retry on a
+  broken connection, skipped at once while the health gate backs off.
+
+This is all the vLLM scheduler's lookup needs (`tiers.make_remote_lookup`); `RedisTier` adds
+the reads (`remote_reads`) and the writes (`remote_writes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from lmcache_remote.config import CacheConfig
+from lmcache_remote.cpus import available_cpus
+from lmcache_remote.errors import (
+    BackendError,
+    BackendPermissionError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+)
+from lmcache_remote.hashing import ChunkSpec
+from lmcache_remote.keys import CacheEngineKey, probe_key
+from lmcache_remote.memory import ChunkLayout
+from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.serde import Serde
+from lmcache_remote.sizing import longest_value
+from lmcache_remote.storage.bulk import BulkPipeline, pack_command, supports
+from lmcache_remote.storage.client import RemoteCaller, make_client
+from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.redis_commands import listed_part_count
+from lmcache_remote.storage.toucher import Toucher
+from lmcache_remote.value_format import HEADER_FIXED
+
+logger = logging.getLogger(__name__)
+#: Chunks whose keys (and packed EXISTS) are kept built: the hot prefixes of a million tokens.
+#: Each costs about 1-2 KiB outside the memory budget (more parts, longer model names cost
+#: more), so this bounds the caches to a few MiB; a full cache is cleared and rebuilt on use.
+_KEY_CACHE_SIZE = 4096
+#: Chunks found foreign (another release's value, left in place) that `contains` reports
+#: absent, so that this process's lookups stop promising what its reads will not serve; for
+#: `_FOREIGN_SECONDS` (the other release may delete or replace the value), at most this many.
+_FOREIGN_KEPT = 4096
+_FOREIGN_SECONDS = 300.0
+
+
+def sockets_in_use(client: Any) -> list[socket.socket]:
+    """The sockets of the connections of `client`'s pool that some thread holds now (every
+    connection of a `BlockingConnectionPool`, which does not keep the two apart)."""
+    pool = getattr(client, "connection_pool", None)
+    in_use = getattr(pool, "_in_use_connections", None)
+    if in_use is None:
+        in_use = getattr(pool, "_connections", None) or ()
+    return [sock for conn in list(in_use)
+            if (sock := getattr(conn, "_sock", None)) is not None]
+
+
+def shut_down_in_use(client: Any) -> None:
+    """Shuts down (`socket.shutdown`, not close) every socket of `sockets_in_use`: a send or
+    receive blocked on it returns at once, and its descriptor cannot be reused meanwhile."""
+    for sock in sockets_in_use(client):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+class RemoteLookup:
+    """Which chunks one Redis/Valkey server holds; see the module doc. Thread-safe."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        layout: ChunkLayout,
+        metrics: Metrics,
+        client: redis.Redis | None = None,
+    ) -> None:
+        self.config = config
+        self.prefix = config.key_prefix
+        self.layout = layout
+        self.metrics = metrics
+        threads = config.serde_threads or available_cpus()
+        self.serde = Serde(config.serde, config.remote_part_size, threads, fit_size_classes=True)
+        self.client = client if client is not None else make_client(config)
+        self.wire = BulkPipeline(self.client) if supports(self.client) else None
+        self._key_cache: dict[tuple[CacheEngineKey, int], list[str]] = {}
+        self._nparts_cache: dict[int, int] = {}
+        self._exists_cache: dict[tuple[CacheEngineKey, int], bytes] = {}
+        self.gate = HealthGate(config.unhealthy_backoff)
+        self.caller = RemoteCaller(config.remote_timeout, self.gate)
+        self._log = RateLimitedLogger(logger)
+        #: The longest reply a chunk read accepts (`sizing.longest_value`).
+        self._longest = longest_value(layout.nbytes(config.chunk_size))
+        # None with `remote_lru_touch` off: nothing is noted, no thread starts, no TOUCH is sent
+        self.toucher: Toucher | None = (
+            Toucher(self._send_touches, metrics, self._log) if config.remote_lru_touch else None)
+        self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
+        self._foreign_lock = threading.Lock()
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def _nparts(self, num_tokens: int) -> int:
+        count = self._nparts_cache.get(num_tokens)
+        if count is None:
+            count = self._nparts_cache[num_tokens] = self.serde.part_count(
+                self.layout.nbytes(num_tokens)
+            )
+        return count
+
+    def _keys(self, spec: ChunkSpec) -> list[str]:
+        """The chunk's part keys (cached: a prompt's chunks are asked for again and again)."""
+        nparts = self._nparts(spec.num_tokens)
+        cached = self._key_cache.get((spec.key, nparts))
+        if cached is None:
+            if len(self._key_cache) >= _KEY_CACHE_SIZE:
+                self._key_cache.clear()
+            cached = spec.key.part_keys(self.prefix, nparts)
+            self._key_cache[(spec.key, nparts)] = cached
+        return cached
+
+    def _exists_command(self, spec: ChunkSpec) -> bytes:
+        """``EXISTS key part1 ...`` of the chunk, packed once and cached."""
+        nparts = self._nparts(spec.num_tokens)
+        packed = self._exists_cache.get((spec.key, nparts))
+        if packed is None:
+            if len(self._exists_cache) >= _KEY_CACHE_SIZE:
+                self._exists_cache.clear()
+            packed = pack_command(("EXISTS", *self._keys(spec)))
+            self._exists_cache[(spec.key, nparts)] = packed
+        return packed
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def contains(self, specs: Sequence[ChunkSpec]) -> list[bool]:
+        if not specs:
+            return []
+        key_lists = [self._keys(s) for s in specs]
+
+        wire = self._bulk()
+        counts: list[Any] = self.caller.call(
+            lambda: wire.execute([self._exists_command(s) for s in specs]))
+        present = self._present(specs, key_lists, [int(c) for c in counts])
+        if self._foreign:
+            present = [p and not self._known_foreign(s.key) for p, s in zip(present, specs,
+                                                                           strict=True)]
+        return present
+
+    def check_bulk(self) -> None:
+        """One `EXISTS` of a probe key through the bulk path (the native loop or its Python
+        twin over redis-py's pool), which every chunk read and write takes and the access check
+        (plain redis-py) does not: a `BackendError` naming the cause when it cannot talk to the
+        server (a redis-py this path does not support), so that a broken cache is loud at
+        start-up instead of silently missing."""
+        if self.wire is None:
+            return
+        wire = self.wire
+        key = probe_key(self.prefix, "bulk")
+        try:
+            reply = self.caller.call(lambda: wire.execute([("EXISTS", key)]))[0]
+        except (BackendUnavailableError, BackendTimeoutError, BackendPermissionError):
+            raise  # the server, not the path: as the access check reports it
+        except Exception as exc:
+            raise BackendError(f"the bulk path (redis-py {redis.__version__}) cannot talk to "
+                               f"Redis: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(reply, int):
+            raise BackendError(f"the bulk path got {reply!r} for EXISTS")
+
+    def _bulk(self) -> BulkPipeline:
+        """The bulk pipeline every single-server batch goes through (a `redis.Redis`, plain,
+        TLS or Sentinel's master, always has one; a cluster's tier replaces each batch)."""
+        if self.wire is None:
+            raise BackendError(f"the bulk path cannot drive a {type(self.client).__name__}")
+        return self.wire
+
+    def _known_foreign(self, key: CacheEngineKey) -> bool:
+        with self._foreign_lock:
+            seen = self._foreign.get(key)
+            if seen is None:
+                return False
+            if time.monotonic() - seen < _FOREIGN_SECONDS:
+                return True
+            del self._foreign[key]
+            return False
+
+    def _note_foreign(self, key: CacheEngineKey) -> None:
+        """A read found ``key``'s value foreign: `contains` reports it absent for
+        `_FOREIGN_SECONDS` (at most `_FOREIGN_KEPT` such keys, the oldest forgotten first)."""
+        with self._foreign_lock:
+            if len(self._foreign) >= _FOREIGN_KEPT:
+                self._foreign.pop(next(iter(self._foreign)))
+            self._foreign[key] = time.monotonic()
+
+    def _present(self, specs: Sequence[ChunkSpec], key_lists: Sequence[Sequence[str]],
+                 counts: Sequence[int | None]) -> list[bool]:
+        """Which chunks are present, from the `EXISTS` count of each one's planned keys (None:
+        not known, its node failed). All planned keys there: present, no more questions. Some
+        but not all: the chunk may have been cut another way by another writer (its header
+        says how, and `get` follows the header), so those chunks alone cost a second round
+        trip (`GETRANGE` of the fixed header: its part count) and a third (`EXISTS` of the
+        keys it lists); present when all of those are there."""
+        present = [c == len(k) for c, k in zip(counts, key_lists, strict=True)]
+        odd = [i for i, (c, k) in enumerate(zip(counts, key_lists, strict=True))
+               if c is not None and 0 < c < len(k)]
+        if not odd:
+            return present
+        heads = self._lookup_run([("GETRANGE", key_lists[i][0], 0, HEADER_FIXED.size - 1)
+                                  for i in odd])
+        listed: list[tuple[int, list[str]]] = []
+        for i, head in zip(odd, heads, strict=True):
+            count = listed_part_count(specs[i], head)
+            if count is not None and count != len(key_lists[i]):
+                listed.append((i, specs[i].key.part_keys(self.prefix, count)))
+        replies = self._lookup_run([("EXISTS", *keys) for _, keys in listed])
+        for (i, keys), reply in zip(listed, replies, strict=True):
+            present[i] = isinstance(reply, int) and reply == len(keys)
+        return present
+
+    def _lookup_run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """The replies of a few lookup commands (one pipeline); an error answer is its reply."""
+        if not commands:
+            return []
+
+        def op() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(pipe.execute(raise_on_error=False))
+
+        return list(self.caller.call(op))
+
+    # -- LRU refreshes, life cycle -------------------------------------------------------
+
+    def touch_later(self, specs: Sequence[ChunkSpec]) -> None:
+        """Refresh these chunks' LRU clocks in Redis soon (`toucher.Toucher`): chunks a lookup
+        promised or the local tier served, which Redis does not see read. Nothing with
+        `remote_lru_touch` off."""
+        if self.toucher is not None:
+            self.toucher.note([key for spec in specs for key in self._keys(spec)])
+
+    def stop_touching(self) -> None:
+        """No more LRU refreshes (the ACL user may not TOUCH): the toucher closes, nothing
+        more is noted."""
+        toucher, self.toucher = self.toucher, None
+        if toucher is not None:
+            toucher.close()
+
+    def _send_touches(self, commands: list[tuple[Any, ...]]) -> None:
+        def op() -> list[Any]:
+            if self.wire is not None:
+                return self.wire.execute(commands)
+            pipe = self.client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(pipe.execute())
+
+        self.caller.call(op)
+
+    def stop_io(self) -> None:
+        """No new remote call starts (the health gate closes for good), and every call in
+        flight fails now: each connection in use is shut down (`socket.shutdown`: a send or
+        receive blocked on a paused or slow server returns at once, in redis-py or in the
+        native loop). The sockets stay open, so their descriptors cannot be reused under a
+        thread that still holds one; `close` closes them once every thread is done."""
+        self.gate.close()
+        shut_down_in_use(self.client)
+
+    def sockets_busy(self) -> bool:
+        """Whether some thread holds one of the client's connections now (is doing I/O)."""
+        return bool(sockets_in_use(self.client))
+
+    def close(self) -> None:
+        """Stops all I/O (`stop_io`), waits for the tier's threads (`_join_threads`), then
+        closes the client: after this returns no thread of the tier does any I/O."""
+        if self.toucher is not None:
+            self.toucher.close()
+        self.stop_io()
+        self._join_threads()
+        self.serde.close()
+        self.client.close()
+
+    def _join_threads(self) -> None:
+        """Waits for the threads a subclass started (the lookup itself starts none but the
+        toucher's, which `close` closes)."""
+
+    def ping(self) -> bool:
+        """True if the server answers now (honours the health gate's back-off)."""
+        return bool(self.caller.call(self.client.ping))

@@ -1,0 +1,310 @@
+"""The read half of `RedisTier`: chunks out of Redis/Valkey, whole, checked, or not at all.
+
+- `get`: pipelined GETs in windows of about `redis_commands.WINDOW_BYTES` (with several
+  `read_lanes`, that over the lanes, each window over its own connection, taken in order);
+  each value is decoded and checked against the key (hash, dtype, shape, token count, every
+  part's checksum). The first missing or bad chunk ends the run; a bad one is counted and
+  deleted so nobody trips on it again. With an `integrity_key` a value is served only when
+  its MAC verifies for the key it was read from (`_authenticate`); one without a MAC, or with
+  one that does not verify, is a miss left in place (`remote.unauthenticated_chunks`).
+- GET replies are received through `bulk.BulkPipeline` (a cluster: per node,
+  `ClusterRedisTier._bulk_get`) into the chunk's own memory when the value is stored raw,
+  otherwise into a reused arena; a reply is used only after the whole batch arrived, and a
+  broken batch is an error, never a partial chunk. The whole read ends within
+  `remote_timeout` (`deadline.call_deadline`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lmcache_remote.errors import (
+    CorruptEntryError,
+    ForeignEntryError,
+    UnauthenticatedEntryError,
+)
+from lmcache_remote.hashing import ChunkSpec
+from lmcache_remote.integrity import IntegrityKey
+from lmcache_remote.memory import MemoryObj
+from lmcache_remote.storage import redis_commands
+from lmcache_remote.storage.base import StorageTier
+from lmcache_remote.storage.bulk import ArenaPool, Reply
+from lmcache_remote.storage.deadline import call_deadline
+from lmcache_remote.storage.redis_commands import (
+    IncompleteChunkError,
+    byte_windows,
+    read_ahead,
+    regroup,
+)
+from lmcache_remote.storage.remote_lookup import RemoteLookup
+from lmcache_remote.value_format import ValueHeader, check_identity, checksum, header_nbytes
+
+logger = logging.getLogger(__name__)
+#: Gives a read its chunk buffer of so many tokens, or None when there is no room.
+Allocator = Callable[[int], MemoryObj | None]
+
+
+class RemoteReads(RemoteLookup, StorageTier):
+    """The read half of `RedisTier` (see the module doc); `RedisTier.__init__` sets the
+    attributes declared here."""
+
+    allocate: Allocator
+    integrity: IntegrityKey | None
+    read_lanes: int
+    _arenas: ArenaPool
+    _lane_pool: Callable[[str, int], Any]
+
+    def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
+        """The leading run of good chunks; the whole read, every window on every lane, ends
+        within `remote_timeout` (`deadline.call_deadline`): a read cut short there raises."""
+        out: list[MemoryObj] = []
+        try:
+            with call_deadline(self.config.remote_timeout):
+                self._get_wire(specs, out)
+            return out
+        except BaseException:  # a later window failed: the earlier ones' buffers go back
+            for obj in out:
+                obj.release()
+            raise
+
+    def _get_wire(self, specs: Sequence[ChunkSpec], out: list[MemoryObj]) -> None:
+        """Appends the leading run of good chunks to ``out``, window by window; with several
+        `read_lanes`, windows of `WINDOW_BYTES / lanes` are fetched at once, each over its own
+        connection, and taken in order (what follows a short window is released)."""
+        lanes = self.read_lanes
+        windows = self._windows(specs, redis_commands.WINDOW_BYTES // max(1, lanes))
+        if lanes <= 1 or len(windows) <= 1:
+            for window in windows:
+                got, complete = self._get_window(window)
+                out.extend(got)
+                if not complete:
+                    break
+            return
+        executor = self._lane_pool("_readers", lanes)
+        futures = [executor.submit(self._get_window, w) for w in windows]
+        complete, error = True, None
+        for future in futures:
+            if not complete or error is not None:  # past the prefix: not wanted
+                if future.cancel():
+                    continue
+                with contextlib.suppress(BaseException):
+                    for obj in future.result()[0]:
+                        obj.release()
+                continue
+            try:
+                got, complete = future.result()
+            except BaseException as exc:
+                error = exc
+                continue
+            out.extend(got)
+        if error is not None:
+            raise error
+
+    def _get_window(self, window: Sequence[ChunkSpec]) -> tuple[list[MemoryObj], bool]:
+        """The leading run of good chunks of one window, and whether the whole window was."""
+        objs: list[MemoryObj] = []
+        for spec in window:
+            obj = self.allocate(spec.num_tokens)
+            if obj is None:
+                self.metrics.inc("remote.pool_full")
+                break
+            objs.append(obj)
+        arena = self._arenas.acquire()
+        good: list[MemoryObj] = []
+        try:
+            replies, digests = self._receive(window[: len(objs)], objs, arena)
+            for spec, obj, values, known in zip(window, objs, replies, digests, strict=False):
+                if not self._decode_received(spec, obj, values, known):
+                    break
+                good.append(obj)
+        finally:
+            self._arenas.release(arena)
+            for obj in objs[len(good):]:
+                obj.release()
+        return good, len(good) == len(window)
+
+    def _receive(
+        self, specs: Sequence[ChunkSpec], objs: Sequence[MemoryObj], arena: Any
+    ) -> tuple[list[list[Reply]], list[list[int | None]]]:
+        """GETs every part of every chunk in one pipeline; raw parts land in the chunk itself.
+        Returns each chunk's replies and, per reply, its part's XXH3-64 where the receive loop
+        made it (else None).
+
+        Raw: each value's place is given up front (value 0's header in the arena, then each
+        part's bytes in the chunk), so the native loop reads the whole batch without the GIL
+        and hashes each part as it lands (the last buffer of a place is the part's bytes); a
+        value of any other size lands in a fresh buffer and fails its checks. Other codecs:
+        each stored value goes into the arena as it comes."""
+        key_lists = [self._keys(s) for s in specs]
+        places = []  # per value: its chunk, part index, and raw byte range in the chunk
+        totals = [self.layout.nbytes(spec.num_tokens) for spec in specs]  # raw bytes per chunk
+        for c, (total, keys) in enumerate(zip(totals, key_lists, strict=True)):
+            size = self.serde.part_size_for(total)
+            places += [(c, p, p * size, min(total, (p + 1) * size)) for p in range(len(keys))]
+        sink: Any
+        if self.serde.codec.codec_id == 0:
+            mac = self.integrity is not None  # the values this reader serves are authenticated
+            heads = [header_nbytes(len(keys), mac) for keys in key_lists]
+            arena.reserve(sum(heads))
+            sink = [[arena.take(heads[chunk]), objs[chunk].raw_view()[start:end]] if part == 0
+                    else objs[chunk].raw_view()[start:end]
+                    for chunk, part, start, end in places]
+        else:
+            arena.reserve(sum(o.nbytes for o in objs) + 4096 * len(places))
+            sink = lambda index, length: arena.take(length)  # noqa: E731
+        sizes = [end - start for _, _, start, end in places]  # raw: what each GET returns
+        flat = [("GET", key) for keys in key_lists for key in keys]
+        digests: list[int | None] = [None] * len(flat)
+        replies = self._bulk_get(flat, sink, sizes, read_ahead(totals), digests)
+        return regroup(replies, key_lists), regroup(digests, key_lists)
+
+    def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
+                  ahead: int, digests: list[int | None]) -> list[Reply]:
+        """Each GET's reply, received where ``sink`` says; None for a missing value. ``sizes``:
+        each reply's expected bytes; ``ahead``: the bytes to keep asked for (`read_ahead`);
+        ``digests``: filled where the receive loop hashed a reply (`BulkPipeline.execute`)."""
+
+        wire = self._bulk()
+
+        def op() -> list[Reply]:
+            return wire.execute(commands, sink, reply_sizes=sizes, inflight_bytes=ahead,
+                                digests=digests, max_bulk=self._longest)
+
+        return list(self.caller.call(op))
+
+    def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply],
+                         digests: list[int | None]) -> bool:
+        """Checks and decodes one chunk's replies into ``obj``; False for a miss or a bad one.
+        ``digests``: each reply's part checksum as the receive loop computed it, or None."""
+        if values[0] is None:
+            self.metrics.inc("remote.miss_chunks")
+            return False
+        try:
+            head = values[0]
+            header = self._read_header(spec, head[0] if isinstance(head, list) else head)
+            fetched = self._all_parts(spec, header, values)
+            if fetched is not values:  # fetched again: the loop's digests are not theirs
+                values, digests = fetched, [None] * len(fetched)
+            stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
+            if self.integrity is not None:
+                self._authenticate(spec, header, stored, digests)
+            self.serde.decode_parts_into(
+                header, stored, obj, spec.key.hash_bytes,
+                expected_shape=self.layout.shape(spec.num_tokens),
+                expected_dtype=self.layout.dtype, digests=digests,
+            )
+        except ForeignEntryError as exc:
+            self._skip_foreign(spec, exc)
+            return False
+        except CorruptEntryError as exc:
+            self._drop_corrupt(spec, exc)
+            return False
+        self.metrics.inc("remote.hit_chunks")
+        nbytes = sum(header.value_nbytes(i) for i in range(len(values)))
+        self.metrics.inc("remote.read_bytes", nbytes)
+        return True
+
+    @staticmethod
+    def _stored_part(header: ValueHeader, index: int, value: Reply) -> memoryview:
+        """The stored bytes of part ``index`` (value 0 without its header), length-checked."""
+        if isinstance(value, list):  # value 0 received as [header, part 0 in place]
+            if len(value[0]) != header.header_nbytes:
+                raise CorruptEntryError(
+                    f"value 0 header is {len(value[0])} bytes, expected {header.header_nbytes}"
+                )
+            return value[1]
+        if value is None or isinstance(value, (int, Exception)):
+            raise CorruptEntryError(f"value {index} is not a bulk string")
+        view = memoryview(value).cast("B")
+        if len(view) != header.value_nbytes(index):
+            raise CorruptEntryError(
+                f"value {index} is {len(view)} bytes, expected {header.value_nbytes(index)}"
+            )
+        return view[header.header_nbytes:] if index == 0 else view
+
+    def _read_header(self, spec: ChunkSpec, value0: Any) -> ValueHeader:
+        """The header of value 0, checked to name this chunk before anything else is (a value
+        of another chunk or geometry is foreign, whatever its parts)."""
+        header = self.serde.read_header(value0)
+        if header.num_tokens != spec.num_tokens:
+            raise ForeignEntryError(
+                f"value holds {header.num_tokens} tokens, its key names {spec.num_tokens}"
+            )
+        check_identity(header, spec.key.hash_bytes, self.layout.shape(spec.num_tokens),
+                       self.layout.dtype)
+        return header
+
+    def _authenticate(self, spec: ChunkSpec, header: ValueHeader, stored: Sequence[memoryview],
+                      digests: Sequence[int | None]) -> None:
+        """With an `integrity_key`: `UnauthenticatedEntryError` unless the value carries a MAC
+        that verifies under the key for this chunk key, header and parts. A failed MAC over a
+        part that also fails its checksum (or length) is damage, `CorruptEntryError`, deleted
+        as ever; one over intact checksums was written without this key: left in place."""
+        assert self.integrity is not None
+        if header.tag is None:
+            raise UnauthenticatedEntryError("written without the integrity key (no MAC)")
+        if self.integrity.verify(spec.key.to_string(), header.signed, stored, header.tag):
+            return
+        for i, view in enumerate(stored):
+            length, expected = header.parts[i]
+            known = digests[i] if i < len(digests) else None
+            if len(view) != length or (known if known is not None else checksum(view)
+                                       ) != expected:
+                raise CorruptEntryError(f"part {i} fails its checksum (and the MAC)")
+        raise UnauthenticatedEntryError("its MAC does not verify under this integrity key "
+                                        "(forged, moved from another key, or another key's)")
+
+    def _all_parts(self, spec: ChunkSpec, header: ValueHeader, values: list[Any]) -> list[Any]:
+        """Every value the header lists: fetched again when the chunk was written with another
+        part size. A part missing where the header agrees with ours was evicted or expired
+        (`IncompleteChunkError`); one missing after a header that lists more is damage."""
+        if len(header.parts) != len(values):
+            values = list(self._fetch([spec.key.part_keys(self.prefix, len(header.parts))])[0])
+            if any(v is None for v in values):
+                raise CorruptEntryError("the header lists parts that are not there")
+        elif any(v is None for v in values):
+            raise IncompleteChunkError("a part of the chunk is missing (evicted or expired)")
+        return values
+
+    def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
+        def op() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for keys in key_lists:
+                for key in keys:
+                    pipe.get(key)
+            return pipe.execute()
+
+        return regroup(self.caller.call(op), key_lists)
+
+    def _skip_foreign(self, spec: ChunkSpec, exc: ForeignEntryError) -> None:
+        """A value of another release, or not the one its key names: a miss, left in place
+        (DESIGN.md, "Redis layout": evolution), counted apart from damage. One this reader's
+        `integrity_key` does not vouch for is counted apart again (`_authenticate`)."""
+        kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
+        self.metrics.inc(f"remote.{kind}_chunks")
+        self._log.warning(kind, "%s chunk %s left in place, not served: %s", kind,
+                          spec.key.chunk_hash, exc)
+        self._note_foreign(spec.key)
+
+    def _drop_corrupt(self, spec: ChunkSpec, exc: CorruptEntryError) -> None:
+        """Count a bad chunk (incomplete: a part evicted; else damaged) and delete its values."""
+        if isinstance(exc, IncompleteChunkError):
+            self.metrics.inc("remote.incomplete_chunks")
+            logger.debug("dropping incomplete chunk %s: %s", spec.key.chunk_hash, exc)
+        else:
+            self.metrics.inc("remote.corrupt_chunks")
+            self._log.warning("corrupt", "dropping corrupt chunk %s: %s",
+                              spec.key.chunk_hash, exc)
+        try:
+            self.delete([spec.key])
+        except Exception as err:  # a failed clean-up must not turn a miss into an error
+            self._log.warning("corrupt-delete", "could not delete corrupt chunk: %s", err)
+
+    def _windows(self, specs: Sequence[ChunkSpec], window_bytes: int
+                 ) -> list[Sequence[ChunkSpec]]:
+        """The specs cut into windows of about ``window_bytes``."""
+        sizes = [self.layout.nbytes(spec.num_tokens) for spec in specs]
+        return [specs[w.start:w.stop] for w in byte_windows(sizes, window_bytes)]

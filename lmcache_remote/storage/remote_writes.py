@@ -1,0 +1,159 @@
+"""The write half of `RedisTier`: chunks into Redis/Valkey, each whole or absent.
+
+- `put_each`: one command per chunk, so each chunk is written in one atomic step: SET (one
+  part), MSET (several parts), or, when `remote_ttl` is set and there are several parts, an
+  EVAL of `SET ... PX` per part (MSET takes no expiry, and MSET then PEXPIRE could leave parts
+  without one if the connection broke in between). `chunk_write_command` builds it for every
+  tier. On a single server a put's chunks go out in windows over up to `write_lanes`
+  connections at once (encoding, sending and the server's work overlap across windows);
+  encoded bytes in flight stay within one `ByteBudget`, and a window that fails fails alone:
+  its chunks are not counted as written, the others' are, and the error is raised when all
+  are done.
+- Through `bulk.BulkPipeline` values leave as memoryviews of the chunk buffers (no packer
+  copy) and the checksums are computed as they are sent (a seal per chunk); a cluster's tier
+  writes sealed values per node (`ClusterRedisTier._write`). With an `integrity_key` every
+  value carries a MAC bound to its chunk key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lmcache_remote.errors import BackendError
+from lmcache_remote.integrity import IntegrityKey
+from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.memory import MemoryObj
+from lmcache_remote.storage import redis_commands
+from lmcache_remote.storage.base import StorageTier
+from lmcache_remote.storage.bulk import Seal
+from lmcache_remote.storage.redis_commands import (
+    ByteBudget,
+    byte_windows,
+    chunk_write_command,
+    value_nbytes,
+)
+from lmcache_remote.storage.remote_lookup import RemoteLookup
+from lmcache_remote.value_format import Signer, header_seal
+
+
+class RemoteWrites(RemoteLookup, StorageTier):
+    """The write half of `RedisTier` (see the module doc); `RedisTier.__init__` sets the
+    attributes declared here."""
+
+    integrity: IntegrityKey | None
+    write_lanes: int
+    _ttl_ms: int | None
+    _write_budget: ByteBudget
+    _lane_pool: Callable[[str, int], Any]
+
+    def put_each(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> list[bool]:
+        """Writes the chunks, each in one atomic command; per chunk, whether it landed.
+
+        On a single server the chunks are cut into windows of about `WINDOW_BYTES / lanes`
+        and up to `write_lanes` windows are encoded and written at once, each over its own
+        pooled connection: one window's encoding overlaps another's sending, and Redis always
+        has bytes to read. Encoded bytes in flight stay within `WINDOW_BYTES` (raw parts are
+        views of the chunk buffers and cost nothing). If a window fails, the others still run
+        to the end and only the chunks whose command was answered count as landed (and in
+        `remote.written_chunks`). The first error is raised when nothing landed; otherwise it
+        is counted (`remote.errors`) and logged, and the failed windows' chunks are False."""
+        if not keys:
+            return []
+        lanes = self.write_lanes if self.wire is not None else 1
+        windows = self._write_windows(objs, redis_commands.WINDOW_BYTES // lanes)
+        pairs = list(zip(keys, objs, strict=True))
+        landed = [False] * len(keys)
+        error: BaseException | None = None
+        if lanes <= 1 or len(windows) <= 1:
+            for w in windows:
+                try:
+                    landed[w.start:w.stop] = self._encode_and_write([pairs[i] for i in w])
+                except BackendError as exc:
+                    error = exc
+                    break  # one connection, in order: the rest would fail the same way
+        else:
+            executor = self._lane_pool("_writers", lanes)
+            futures = [(w, executor.submit(self._budgeted_write, [pairs[i] for i in w]))
+                       for w in windows]
+            for w, future in futures:  # every window runs to its end before put returns
+                try:
+                    landed[w.start:w.stop] = future.result()
+                except BaseException as exc:
+                    error = error or exc
+        if error is not None:
+            if not isinstance(error, BackendError) or not any(landed):
+                raise error
+            self.metrics.inc("remote.errors")
+            self._log.warning("write-window", "a write window failed after %d chunks landed: "
+                              "%s", sum(landed), error)
+        return landed
+
+    def _write_windows(self, objs: Sequence[MemoryObj], window_bytes: int) -> list[range]:
+        """Consecutive runs of chunk indexes, each about ``window_bytes`` of raw KV (at least
+        one chunk)."""
+        return byte_windows([obj.nbytes for obj in objs], window_bytes)
+
+    def _encoded_cost(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> int:
+        """Bytes encoding these chunks allocates, at most: none for raw (views), else their size."""
+        if self.serde.codec.codec_id == 0 and self.wire is not None:
+            return 0
+        return sum(obj.nbytes for _, obj in pairs)
+
+    def _budgeted_write(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]
+                        ) -> list[bool]:
+        cost = self._encoded_cost(pairs)
+        self._write_budget.acquire(cost)
+        try:
+            return self._encode_and_write(pairs)
+        finally:
+            self._write_budget.release(cost)
+
+    def _encode_and_write(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]
+                          ) -> list[bool]:
+        """Encodes one window of chunks and writes it in one pipelined batch. Over the wire
+        the checksums are left to the wire (a seal per chunk), which computes them as it
+        sends each chunk, so that the kernel's copy finds the bytes still in the CPU cache."""
+        batch: list[tuple[list[str], list[Any]]] = []
+        seals: list[Seal | None] | None = [] if self.wire is not None else None
+        for key, obj in pairs:
+            num_tokens = obj.tensor.shape[2]
+            values: list[Any]
+            signer = self._signer(key)
+            if seals is not None:  # value 0 as (header, part 0): no copy of part 0
+                header, parts = self.serde.encode_parts(obj, key.hash_bytes, num_tokens,
+                                                        sealed=signer is not None, signer=signer)
+                values = [(header, parts[0]), *parts[1:]]
+                if signer is None:
+                    assert isinstance(header, bytearray)
+                    seals.append(header_seal(header, parts))
+                else:  # the MAC covers the checksums: sealed before it, not by the wire
+                    seals.append(None)
+            else:
+                values = list(self.serde.encode(obj, key.hash_bytes, num_tokens, signer=signer))
+            batch.append((key.part_keys(self.prefix, len(values)), values))
+        return self._write(batch, seals)
+
+    def _signer(self, key: CacheEngineKey) -> Signer | None:
+        """What makes the MAC of the chunk ``key``'s value (bound to the key), None without
+        an `integrity_key`."""
+        integrity = self.integrity
+        if integrity is None:
+            return None
+        name = key.to_string()
+        return lambda signed, parts: integrity.tag(name, signed, parts)
+
+    def _write(self, batch: Sequence[tuple[list[str], list[Any]]],
+               seals: Sequence[Seal | None] | None = None) -> list[bool]:
+        """Write one window of chunks; per chunk, whether it landed (here all or none: a
+        failure raises). ``seals``: per chunk, the checksums the wire fills in as it sends."""
+        wire = self._bulk()
+        self.caller.call(lambda: wire.execute(self._write_commands(batch), seals=seals))
+        nbytes = sum(value_nbytes(v) for _, values in batch for v in values)
+        self.metrics.inc("remote.written_chunks", len(batch))
+        self.metrics.inc("remote.written_bytes", nbytes)
+        return [True] * len(batch)
+
+    def _write_commands(self, batch: Sequence[tuple[list[str], list[Any]]]
+                        ) -> list[tuple[Any, ...]]:
+        return [chunk_write_command(keys, values, self._ttl_ms) for keys, values in batch]
