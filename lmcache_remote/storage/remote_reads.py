@@ -5,8 +5,9 @@
   each value is decoded and checked against the key (hash, dtype, shape, token count, every
   part's checksum). The first missing or bad chunk ends the run; a bad one is counted and
   deleted so nobody trips on it again. With an `integrity_key` a value is served only when
-  its MAC verifies for the key it was read from (`_authenticate`); one without a MAC, or with
-  one that does not verify, is a miss left in place (`remote.unauthenticated_chunks`).
+  its MAC verifies for the key it was read from (`value_checks.authenticate`); one without a
+  MAC, or with one that does not verify, is a miss left in place
+  (`remote.unauthenticated_chunks`).
 - GET replies are received through `bulk.BulkPipeline` (a cluster: per node,
   `ClusterRedisTier._bulk_get`) into the chunk's own memory when the value is stored raw,
   otherwise into a reused arena; a reply is used only after the whole batch arrived, and a
@@ -40,9 +41,13 @@ from lmcache_remote.storage.redis_commands import (
     regroup,
 )
 from lmcache_remote.storage.remote_lookup import RemoteLookup
-from lmcache_remote.value_format import ValueHeader, check_identity, checksum, header_nbytes
+from lmcache_remote.storage.value_checks import authenticate, stored_part
+from lmcache_remote.value_format import ValueHeader, check_identity, header_nbytes
 
 logger = logging.getLogger(__name__)
+#: Why a chunk whose MAC does not verify over intact parts is not served.
+_UNVERIFIED = ("its MAC does not verify under this integrity key (forged, moved from another "
+               "key, or another key's)")
 #: Gives a read its chunk buffer of so many tokens, or None when there is no room.
 Allocator = Callable[[int], MemoryObj | None]
 
@@ -188,9 +193,10 @@ class RemoteReads(RemoteLookup, StorageTier):
             fetched = self._all_parts(spec, header, values)
             if fetched is not values:  # fetched again: the loop's digests are not theirs
                 values, digests = fetched, [None] * len(fetched)
-            stored = [self._stored_part(header, i, v) for i, v in enumerate(values)]
+            stored = [stored_part(header, i, v) for i, v in enumerate(values)]
             if self.integrity is not None:
-                self._authenticate(spec, header, stored, digests)
+                authenticate(self.integrity, spec.key.to_string(), header, stored, digests,
+                             _UNVERIFIED)
             self.serde.decode_parts_into(
                 header, stored, obj, spec.key.hash_bytes,
                 expected_shape=self.layout.shape(spec.num_tokens),
@@ -207,24 +213,6 @@ class RemoteReads(RemoteLookup, StorageTier):
         self.metrics.inc("remote.read_bytes", nbytes)
         return True
 
-    @staticmethod
-    def _stored_part(header: ValueHeader, index: int, value: Reply) -> memoryview:
-        """The stored bytes of part ``index`` (value 0 without its header), length-checked."""
-        if isinstance(value, list):  # value 0 received as [header, part 0 in place]
-            if len(value[0]) != header.header_nbytes:
-                raise CorruptEntryError(
-                    f"value 0 header is {len(value[0])} bytes, expected {header.header_nbytes}"
-                )
-            return value[1]
-        if value is None or isinstance(value, (int, Exception)):
-            raise CorruptEntryError(f"value {index} is not a bulk string")
-        view = memoryview(value).cast("B")
-        if len(view) != header.value_nbytes(index):
-            raise CorruptEntryError(
-                f"value {index} is {len(view)} bytes, expected {header.value_nbytes(index)}"
-            )
-        return view[header.header_nbytes:] if index == 0 else view
-
     def _read_header(self, spec: ChunkSpec, value0: Any) -> ValueHeader:
         """The header of value 0, checked to name this chunk before anything else is (a value
         of another chunk or geometry is foreign, whatever its parts)."""
@@ -236,26 +224,6 @@ class RemoteReads(RemoteLookup, StorageTier):
         check_identity(header, spec.key.hash_bytes, self.layout.shape(spec.num_tokens),
                        self.layout.dtype)
         return header
-
-    def _authenticate(self, spec: ChunkSpec, header: ValueHeader, stored: Sequence[memoryview],
-                      digests: Sequence[int | None]) -> None:
-        """With an `integrity_key`: `UnauthenticatedEntryError` unless the value carries a MAC
-        that verifies under the key for this chunk key, header and parts. A failed MAC over a
-        part that also fails its checksum (or length) is damage, `CorruptEntryError`, deleted
-        as ever; one over intact checksums was written without this key: left in place."""
-        assert self.integrity is not None
-        if header.tag is None:
-            raise UnauthenticatedEntryError("written without the integrity key (no MAC)")
-        if self.integrity.verify(spec.key.to_string(), header.signed, stored, header.tag):
-            return
-        for i, view in enumerate(stored):
-            length, expected = header.parts[i]
-            known = digests[i] if i < len(digests) else None
-            if len(view) != length or (known if known is not None else checksum(view)
-                                       ) != expected:
-                raise CorruptEntryError(f"part {i} fails its checksum (and the MAC)")
-        raise UnauthenticatedEntryError("its MAC does not verify under this integrity key "
-                                        "(forged, moved from another key, or another key's)")
 
     def _all_parts(self, spec: ChunkSpec, header: ValueHeader, values: list[Any]) -> list[Any]:
         """Every value the header lists: fetched again when the chunk was written with another
@@ -282,7 +250,7 @@ class RemoteReads(RemoteLookup, StorageTier):
     def _skip_foreign(self, spec: ChunkSpec, exc: ForeignEntryError) -> None:
         """A value of another release, or not the one its key names: a miss, left in place
         (DESIGN.md, "Redis layout": evolution), counted apart from damage. One this reader's
-        `integrity_key` does not vouch for is counted apart again (`_authenticate`)."""
+        `integrity_key` does not vouch for is counted apart again (`value_checks.authenticate`)."""
         kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
         self.metrics.inc(f"remote.{kind}_chunks")
         self._log.warning(kind, "%s chunk %s left in place, not served: %s", kind,

@@ -34,7 +34,8 @@ from lmcache_remote.storage.redis_commands import (
     value_nbytes,
 )
 from lmcache_remote.storage.remote_lookup import RemoteLookup
-from lmcache_remote.value_format import Signer, header_seal
+from lmcache_remote.storage.value_checks import signer_for
+from lmcache_remote.value_format import header_seal
 
 
 class RemoteWrites(RemoteLookup, StorageTier):
@@ -119,7 +120,7 @@ class RemoteWrites(RemoteLookup, StorageTier):
         for key, obj in pairs:
             num_tokens = obj.tensor.shape[2]
             values: list[Any]
-            signer = self._signer(key)
+            signer = signer_for(self.integrity, key.to_string())
             if seals is not None:  # value 0 as (header, part 0): no copy of part 0
                 header, parts = self.serde.encode_parts(obj, key.hash_bytes, num_tokens,
                                                         sealed=signer is not None, signer=signer)
@@ -133,15 +134,6 @@ class RemoteWrites(RemoteLookup, StorageTier):
                 values = list(self.serde.encode(obj, key.hash_bytes, num_tokens, signer=signer))
             batch.append((key.part_keys(self.prefix, len(values)), values))
         return self._write(batch, seals)
-
-    def _signer(self, key: CacheEngineKey) -> Signer | None:
-        """What makes the MAC of the chunk ``key``'s value (bound to the key), None without
-        an `integrity_key`."""
-        integrity = self.integrity
-        if integrity is None:
-            return None
-        name = key.to_string()
-        return lambda signed, parts: integrity.tag(name, signed, parts)
 
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]],
                seals: Sequence[Seal | None] | None = None) -> list[bool]:

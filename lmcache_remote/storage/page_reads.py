@@ -1,0 +1,281 @@
+"""PageReads: the page store's reads (`pages.PageStore.read`), whole pages, checked, or none.
+
+- `read(keys, drain, places=None)`: the pages' values are fetched in windows the same way
+  over `remote_read_lanes` connections (over the bulk wire with the raw codec, received
+  straight into the staging tensor and hashed as they land), checked (header, identity,
+  lengths, every checksum, the MAC) and handed to ``drain(i, staging)``. With ``places`` (the
+  caller's own memory for page i, in pieces) they land there instead and are checked in
+  place, without the MAC (so only without an `integrity_key`) and without staging; a page
+  cut by another part plan is read apart through staging and drained. The first missing or
+  bad page ends the read (the rest are False; a window read on another lane at the same time
+  may still have filled later pages' places: they are not reported served). A damaged
+  value (checksum, length, a part gone) is deleted and counted; a value of another release
+  or another identity (foreign) is a miss left in place, counted apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lmcache_remote.buffers import address
+from lmcache_remote.errors import (
+    BackendError,
+    CorruptEntryError,
+    ForeignEntryError,
+    KeyFormatError,
+    UnauthenticatedEntryError,
+)
+from lmcache_remote.keys import PageKey
+from lmcache_remote.storage.deadline import call_deadline
+from lmcache_remote.storage.page_base import (
+    PageCopy,
+    PagePlaces,
+    PageStoreBase,
+    Staging,
+    cut_pieces,
+    xxh3_of,
+)
+from lmcache_remote.storage.redis_commands import IncompleteChunkError, read_ahead, regroup
+from lmcache_remote.storage.value_checks import authenticate, stored_part
+from lmcache_remote.value_format import ValueHeader, check_identity, header_nbytes
+
+#: Why a page whose MAC does not verify over intact parts is not served.
+_UNVERIFIED = "its MAC does not verify under this integrity key"
+
+
+class PageReads(PageStoreBase):
+    """The read half of `PageStore`; see the module doc."""
+
+    def read(self, keys: Sequence[PageKey], drain: PageCopy,
+             places: PagePlaces | None = None) -> list[bool]:
+        """Reads the pages; per page, whether it was served (a leading run, the rest False).
+        With ``places`` (page i's destination bytes, in order) the values are received
+        straight there and checked in place where the bulk wire, the raw codec and no
+        `integrity_key` allow it: ``drain`` is then called only for a page that had to come
+        another way (written with another part plan: decoded into staging first)."""
+        served = [False] * len(keys)
+        in_place = places if self._in_place_ok() else None
+        windows, results = self._windowed(
+            len(keys), self.config.remote_read_lanes,
+            lambda w: self._read_window(keys, w, drain, in_place),
+            lambda good: good[0] == good[1])
+        for window, (good, _) in zip(windows, results, strict=False):
+            served[window.start:window.start + good] = [True] * good
+            if good < len(window):
+                break
+        return served
+
+    def _read_window(self, keys: Sequence[PageKey], window: range, drain: PageCopy,
+                     places: PagePlaces | None = None) -> tuple[int, int]:
+        """(leading pages of ``window`` read, checked and drained; the window's pages)."""
+        held = None
+        if places is None:
+            held = self._staging(len(window), "read")
+            if held is None:
+                return 0, len(window)
+        try:
+            return self._read_window_into(keys, window, drain, places, held)
+        finally:
+            if held is not None:
+                held.release()
+
+    def _read_window_into(self, keys: Sequence[PageKey], window: range, drain: PageCopy,
+                          places: PagePlaces | None, held: Staging | None
+                          ) -> tuple[int, int]:
+        staging = None if held is None else held.pages
+        dests = ([places(i) for i in window] if places is not None else
+                 [[obj.raw_view()] for obj in held.objs])  # type: ignore[union-attr]
+        try:
+            values, digests = self._fetch([keys[i] for i in window], dests)
+        except BackendError as exc:
+            self._failed("read", exc)
+            return 0, len(window)
+        for slot, i in enumerate(window):
+            if staging is not None:
+                ok = self._decode(keys[i], values[slot], staging[slot], digests[slot])
+                if ok:
+                    drain(i, staging[slot])
+            else:
+                done = self._check_in_place(keys[i], values[slot], digests[slot])
+                ok = done if done is not None else self._read_apart(keys[i], i, drain)
+            if not ok:
+                return slot, len(window)
+        return len(window), len(window)
+
+    def _check_in_place(self, key: PageKey, values: list[Any], digests: list[int | None]
+                        ) -> bool | None:
+        """Checks a page received in its places (header, identity, plan, lengths, every
+        part's checksum); False for a miss or a bad value (deleted), None when the value
+        was not cut by this store's plan (or a part did not land in place) and must be read
+        apart."""
+        if values[0] is None:
+            self.metrics.inc("pages.misses")
+            return False
+        head = values[0]
+        if not isinstance(head, list) or not all(isinstance(v, list) for v in values):
+            return None
+        try:
+            header = self.serde.read_header(head[0])
+            if header.num_tokens != self.page_tokens:
+                raise ForeignEntryError(f"value holds {header.num_tokens} tokens, a page "
+                                        f"here is {self.page_tokens}")
+            check_identity(header, key.hash_bytes, self.page_shape, self.dtype)
+            if (header.codec_id != 0 or header.part_count != len(values)
+                    or header.part_size != self.serde.part_size_for(self.page_nbytes)):
+                return None
+            for p, value in enumerate(values):
+                pieces = value[1:] if p == 0 else value
+                if sum(len(x) for x in pieces) != header.parts[p][0]:
+                    raise CorruptEntryError(f"part {p} has the wrong length")
+                known = digests[p] if len(pieces) == 1 else None
+                if known is None:
+                    known = xxh3_of(pieces)
+                if known != header.parts[p][1]:
+                    raise CorruptEntryError(f"part {p} fails its checksum")
+        except ForeignEntryError as exc:
+            self._foreign(key, exc)
+            return False
+        except CorruptEntryError as exc:
+            self._drop(key, exc)
+            return False
+        self.metrics.inc("pages.hits")
+        self.metrics.inc("pages.read_bytes",
+                         sum(header.value_nbytes(i) for i in range(len(values))))
+        return True
+
+    def _read_apart(self, key: PageKey, index: int, drain: PageCopy) -> bool:
+        """One page the slow way: fetched into fresh buffers, decoded into staging, drained."""
+        try:
+            values = self._run([("GET", name) for name in
+                                key.part_keys(self.prefix, self.nparts)])
+        except BackendError as exc:
+            self._failed("read", exc)
+            return False
+        held = self._staging(1, "read")
+        if held is None:
+            return False
+        try:
+            page = held.pages[0]
+            if not self._decode(key, list(values), page, [None] * len(values)):
+                return False
+            drain(index, page)
+            return True
+        finally:
+            held.release()
+
+    def _fetch(self, keys: Sequence[PageKey], dests: Sequence[Sequence[memoryview]]
+               ) -> tuple[list[list[Any]], list[list[int | None]]]:
+        """GETs every value of the pages in one pipeline: per page its replies and, per reply,
+        its part's XXH3-64 where the receive loop computed it (else None). Over the bulk wire
+        with the raw codec each value lands in its place up front (value 0's header in a
+        scratch buffer, every part's bytes where ``dests[page]`` puts them: a staging slot,
+        or the engine's own memory), read and hashed without the GIL, and its reply is the
+        list of its buffers; a value of any other length lands in a fresh buffer and fails
+        its checks. Otherwise the replies are fresh buffers, decoded afterwards."""
+        key_lists = [k.part_keys(self.prefix, self.nparts) for k in keys]
+        flat = [("GET", name) for names in key_lists for name in names]
+        digests: list[int | None] = [None] * len(flat)
+        wire = self.wire
+        if wire is None or self.serde.codec.codec_id != 0:
+            replies = self._run(flat)
+            return regroup(replies, key_lists), regroup(digests, key_lists)
+        size = self.serde.part_size_for(self.page_nbytes)
+        head = header_nbytes(self.nparts, self.integrity is not None)
+        heads = memoryview(bytearray(head * len(keys)))
+        sink: list[Any] = []
+        sizes: list[int] = []
+        for slot in range(len(keys)):
+            for p in range(self.nparts):
+                start, end = p * size, min(self.page_nbytes, (p + 1) * size)
+                pieces = cut_pieces(dests[slot], start, end)
+                sink.append([heads[slot * head:(slot + 1) * head], *pieces] if p == 0
+                            else pieces)
+                sizes.append(end - start + (head if p == 0 else 0))
+
+        def op() -> list[Any]:
+            return wire.execute(flat, sink, reply_sizes=sizes,
+                                inflight_bytes=read_ahead([self.page_nbytes]),
+                                digests=digests, max_bulk=self._longest)
+
+        replies = [_as_received(reply, place) for reply, place in
+                   zip(self.caller.call(op), sink, strict=True)]
+        return regroup(replies, key_lists), regroup(digests, key_lists)
+
+    def _decode(self, key: PageKey, values: list[Any], out: torch.Tensor,
+                digests: list[int | None]) -> bool:
+        """Checks one page's values and decodes them into ``out`` (values received in place
+        there are only checked); False for a miss."""
+        if values[0] is None:
+            self.metrics.inc("pages.misses")
+            return False
+        try:
+            head = values[0]
+            header = self.serde.read_header(head[0] if isinstance(head, list) else head)
+            if header.num_tokens != self.page_tokens:
+                raise ForeignEntryError(f"value holds {header.num_tokens} tokens, a page "
+                                        f"here is {self.page_tokens}")
+            check_identity(header, key.hash_bytes, self.page_shape, self.dtype)
+            fetched = self._all_parts(key, header, values)
+            if fetched is not values:  # fetched again: the loop's digests are not theirs
+                values, digests = fetched, [None] * len(fetched)
+            stored = [stored_part(header, i, v) for i, v in enumerate(values)]
+            if self.integrity is not None:
+                authenticate(self.integrity, key.relative_key(), header, stored, digests,
+                             _UNVERIFIED)
+            self.serde.decode_parts_into(header, stored, out, key.hash_bytes, self.page_shape,
+                                         self.dtype, digests=digests)
+        except ForeignEntryError as exc:
+            self._foreign(key, exc)
+            return False
+        except CorruptEntryError as exc:
+            self._drop(key, exc)
+            return False
+        except BackendError as exc:
+            self._failed("read", exc)
+            return False
+        self.metrics.inc("pages.hits")
+        self.metrics.inc("pages.read_bytes",
+                         sum(header.value_nbytes(i) for i in range(len(values))))
+        return True
+
+    def _all_parts(self, key: PageKey, header: ValueHeader, values: list[Any]) -> list[Any]:
+        """Every value the header lists (fetched again when another writer cut the page into
+        another number of parts); a part missing is eviction (`IncompleteChunkError`)."""
+        if header.part_count != len(values):
+            with call_deadline(self.timeout):
+                replies = self._run([("GET", name) for name in
+                                     key.part_keys(self.prefix, header.part_count)])
+            values = list(replies)
+            if any(v is None for v in values):
+                raise CorruptEntryError("the header lists parts that are not there")
+        elif any(v is None for v in values):
+            raise IncompleteChunkError("a part of the page is missing (evicted or expired)")
+        return values
+
+    def _foreign(self, key: PageKey, exc: ForeignEntryError) -> None:
+        kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
+        self.metrics.inc(f"pages.{kind}")
+        self._log.warning(kind, "%s page %s left in place, not served: %s", kind,
+                          key.page_hash, exc)
+
+    def _drop(self, key: PageKey, exc: CorruptEntryError) -> None:
+        kind = "incomplete" if isinstance(exc, IncompleteChunkError) else "corrupt"
+        self.metrics.inc(f"pages.{kind}")
+        self._log.warning(kind, "dropping %s page %s: %s", kind, key.page_hash, exc)
+        try:
+            self.delete([key])
+        except (BackendError, KeyFormatError) as err:
+            self._log.warning("corrupt-delete", "could not delete a bad page: %s", err)
+
+
+def _as_received(reply: Any, place: list[memoryview]) -> Any:
+    """A reply as the list of its place's buffers when it landed there (the wire hands back a
+    one-buffer place as the buffer itself), else as it came (a fresh buffer, None, ...)."""
+    if isinstance(reply, list) or len(place) != 1 or not isinstance(reply, memoryview):
+        return reply
+    if len(reply) == len(place[0]) and address(reply) == address(place[0]):
+        return [reply]
+    return reply

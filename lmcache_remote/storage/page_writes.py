@@ -1,0 +1,123 @@
+"""PageWrites: the page store's writes (`pages.PageStore.write`), each page whole or absent.
+
+- `write(keys, fill, places=None)`: pages go out in windows (`WINDOW_BYTES` of raw pages over
+  `remote_write_lanes` connections at once, so about `WINDOW_BYTES` of staging in flight):
+  ``fill(i, staging)`` copies page i into the staging tensor of its window, which is encoded
+  (raw: the values are views of it, no copy) and written in one pipelined batch, each page by
+  one atomic command. Per page, whether it landed (a failed window's pages are False). With
+  ``places`` (page i's bytes where they lie, in pieces) and the raw codec without an
+  `integrity_key`, each value is sent from there instead (`Serde.raw_header` over the
+  pieces' checksums): no staging, no copy.
+- Each page is written by one atomic command (`chunk_write_command`); with an
+  `integrity_key` its value carries a MAC bound to the page key without its prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lmcache_remote.errors import BackendError
+from lmcache_remote.keys import PageKey
+from lmcache_remote.storage.bulk import Seal
+from lmcache_remote.storage.page_base import (
+    PageCopy,
+    PagePlaces,
+    PageStoreBase,
+    cut_pieces,
+    xxh3_of,
+)
+from lmcache_remote.storage.redis_commands import chunk_write_command, value_nbytes
+from lmcache_remote.storage.value_checks import signer_for
+from lmcache_remote.value_format import header_nbytes, header_seal
+
+
+class PageWrites(PageStoreBase):
+    """The write half of `PageStore`; see the module doc."""
+
+    def write(self, keys: Sequence[PageKey], fill: PageCopy,
+              places: PagePlaces | None = None) -> list[bool]:
+        """Writes the pages; per page, whether it landed (see the module contract). With
+        ``places`` (page i's bytes where they lie, in pieces) the values are sent from there,
+        checksummed in place, without staging, where the bulk wire, the raw codec and no
+        `integrity_key` allow it; ``fill`` is then not called."""
+        landed = [False] * len(keys)
+        in_place = places if self._in_place_ok() else None
+        windows, results = self._windowed(
+            len(keys), self.config.remote_write_lanes,
+            lambda w: self._write_window(keys, w, fill, in_place), lambda ok: ok)
+        for window, ok in zip(windows, results, strict=False):
+            if ok:
+                landed[window.start:window.stop] = [True] * len(window)
+        return landed
+
+    def _write_window(self, keys: Sequence[PageKey], window: range, fill: PageCopy,
+                      places: PagePlaces | None = None) -> bool:
+        """Fills, encodes and writes one window of pages in one batch (or, with ``places``,
+        writes them from where they lie); whether it landed."""
+        try:
+            if places is not None:
+                self._send_in_place(keys, window, places)
+            else:
+                held = self._staging(len(window), "write")
+                if held is None:
+                    return False
+                try:
+                    self._send_window(keys, window, held.pages, fill)
+                finally:
+                    held.release()
+        except BackendError as exc:
+            self._failed("write", exc)
+            return False
+        return True
+
+    def _send_in_place(self, keys: Sequence[PageKey], window: range,
+                       places: PagePlaces) -> None:
+        """One window of pages sent from the caller's memory: each part the pieces of it that
+        the part plan cuts, checksummed there, behind a header `Serde.raw_header` builds."""
+        size = self.serde.part_size_for(self.page_nbytes)
+        bounds = [(p * size, min(self.page_nbytes, (p + 1) * size)) for p in range(self.nparts)]
+        commands: list[tuple[Any, ...]] = []
+        for i in window:
+            pieces = [cut_pieces(places(i), a, b) for a, b in bounds]
+            header = self.serde.raw_header(
+                self.page_shape, self.dtype, keys[i].hash_bytes, self.page_tokens, size,
+                [(b - a, xxh3_of(part)) for (a, b), part in zip(bounds, pieces, strict=True)])
+            values: list[Any] = [(header, *pieces[0]), *(tuple(part) for part in pieces[1:])]
+            commands.append(chunk_write_command(keys[i].part_keys(self.prefix, self.nparts),
+                                                values, self._ttl_ms))
+        self._run(commands)
+        self.metrics.inc("pages.written", len(window))
+        self.metrics.inc("pages.written_bytes",
+                         len(window) * (self.page_nbytes + header_nbytes(self.nparts)))
+
+    def _send_window(self, keys: Sequence[PageKey], window: range,
+                     staging: Sequence[torch.Tensor], fill: PageCopy) -> None:
+        commands: list[tuple[Any, ...]] = []
+        seals: list[Seal | None] = []
+        nbytes = 0
+        for slot, i in enumerate(window):
+            fill(i, staging[slot])
+            signer = signer_for(self.integrity, keys[i].relative_key())
+            values: list[Any]
+            if self.wire is not None:
+                header, parts = self.serde.encode_parts(
+                    staging[slot], keys[i].hash_bytes, self.page_tokens,
+                    sealed=signer is not None, signer=signer)
+                values = [(header, parts[0]), *parts[1:]]
+                if signer is None:  # the wire fills in the checksums as it sends
+                    assert isinstance(header, bytearray)
+                    seals.append(header_seal(header, parts))
+                else:  # the MAC covers the checksums: sealed before it
+                    seals.append(None)
+            else:
+                values = list(self.serde.encode(staging[slot], keys[i].hash_bytes,
+                                                self.page_tokens, signer=signer))
+            keys_i = keys[i].part_keys(self.prefix, len(values))
+            commands.append(chunk_write_command(keys_i, values, self._ttl_ms))
+            nbytes += sum(value_nbytes(v) for v in values)
+        self._run(commands, seals if self.wire is not None else None)
+        self.metrics.inc("pages.written", len(window))
+        self.metrics.inc("pages.written_bytes", nbytes)
