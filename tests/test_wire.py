@@ -26,9 +26,12 @@ from servers import RedisServer
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.storage import bulk as wire_mod
-from lmcache_remote.storage.bulk import Arena, ArenaPool, BulkPipeline, pack, supports
+from lmcache_remote.storage import resp
+from lmcache_remote.storage.arena import Arena, ArenaPool
+from lmcache_remote.storage.bulk import BulkPipeline, supports
 from lmcache_remote.storage.client import client_kwargs
 from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
+from lmcache_remote.storage.resp import pack
 
 
 @pytest.fixture(params=[False, True], ids=["python", "native"])
@@ -233,7 +236,7 @@ def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
     del commands[8], sizes[8]
     read = [0]
     events: list[tuple[int, int]] = []  # (replies read, commands sent so far) at each send
-    real_reply, real_send = wire_mod._Reader.reply, BulkPipeline._send
+    real_reply, real_send = resp.RespReader.reply, BulkPipeline._send
 
     def reply(self, index, sink):  # type: ignore[no-untyped-def]
         out = real_reply(self, index, sink)
@@ -244,7 +247,7 @@ def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
         events.append((read[0], (events[-1][1] if events else 0) + len(batch)))
         real_send(sock, batch)
 
-    monkeypatch.setattr(wire_mod._Reader, "reply", reply)
+    monkeypatch.setattr(resp.RespReader, "reply", reply)
     monkeypatch.setattr(BulkPipeline, "_send", staticmethod(send))
     bound = 650_000
     BulkPipeline(client, native=False).execute(commands, reply_sizes=sizes, inflight_bytes=bound)
@@ -618,7 +621,7 @@ def test_send_buffers_sends_every_byte_in_order_across_partial_sends() -> None:
     """More buffers than one sendmsg takes, empty ones among them, and more bytes than the
     socket buffer holds (so sendmsg returns partial counts): the peer reads exactly their
     concatenation."""
-    from lmcache_remote.storage.bulk import send_buffers
+    from lmcache_remote.storage.resp import send_buffers
 
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -671,7 +674,7 @@ def _scripted(native: bool, script: Callable[[socket.socket], None],
         return pipeline._run(types.SimpleNamespace(_sock=client_end), commands, sink, sizes,
                              inflight, digests)
     except BaseException as exc:
-        raise wire_mod.translate(exc) from exc
+        raise resp.translate(exc) from exc
     finally:
         client_end.close()
         thread.join(30)
@@ -682,7 +685,7 @@ def _scripted(native: bool, script: Callable[[socket.socket], None],
 
 def _gets(n: int) -> tuple[list[tuple[str, str]], list[bytes]]:
     commands = [("GET", f"k{i}") for i in range(n)]
-    return commands, [wire_mod.pack_command(c) for c in commands]
+    return commands, [resp.pack_command(c) for c in commands]
 
 
 def _read_commands(sock: socket.socket, packed: list[bytes], have: bytearray, count: int

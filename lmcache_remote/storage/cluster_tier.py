@@ -48,12 +48,13 @@ from lmcache_remote.errors import BackendError, BackendUnavailableError
 from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics
-from lmcache_remote.storage.bulk import BulkPipeline, Reply, Seal, Sink, apply_seals
+from lmcache_remote.storage.bulk import BulkPipeline, Seal, apply_seals
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
 from lmcache_remote.storage.redis_tier import Allocator, RedisTier
 from lmcache_remote.storage.remote_lookup import RemoteLookup, shut_down_in_use
+from lmcache_remote.storage.resp import Reply, Sink
 
 logger = logging.getLogger(__name__)
 

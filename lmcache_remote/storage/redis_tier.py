@@ -29,7 +29,7 @@ from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.sizing import max_part_count
 from lmcache_remote.storage import redis_commands
-from lmcache_remote.storage.bulk import ArenaPool
+from lmcache_remote.storage.arena import ArenaPool
 from lmcache_remote.storage.lanes import LanePool
 from lmcache_remote.storage.redis_commands import ByteBudget
 from lmcache_remote.storage.remote_lookup import RemoteLookup

@@ -49,10 +49,11 @@ from lmcache_remote.memory import ChunkLayout
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.serde import Serde
 from lmcache_remote.sizing import longest_value
-from lmcache_remote.storage.bulk import BulkPipeline, pack_command, supports
+from lmcache_remote.storage.bulk import BulkPipeline, supports
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import listed_part_count
+from lmcache_remote.storage.resp import pack_command
 from lmcache_remote.storage.toucher import Toucher
 from lmcache_remote.value_format import HEADER_FIXED
 

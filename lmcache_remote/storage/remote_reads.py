@@ -31,8 +31,8 @@ from lmcache_remote.hashing import ChunkSpec
 from lmcache_remote.integrity import IntegrityKey
 from lmcache_remote.memory import MemoryObj
 from lmcache_remote.storage import redis_commands
+from lmcache_remote.storage.arena import ArenaPool
 from lmcache_remote.storage.base import StorageTier
-from lmcache_remote.storage.bulk import ArenaPool, Reply
 from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.redis_commands import (
     IncompleteChunkError,
@@ -41,6 +41,7 @@ from lmcache_remote.storage.redis_commands import (
     regroup,
 )
 from lmcache_remote.storage.remote_lookup import RemoteLookup
+from lmcache_remote.storage.resp import Reply
 from lmcache_remote.storage.value_checks import authenticate, stored_part
 from lmcache_remote.value_format import ValueHeader, check_identity, header_nbytes
 
