@@ -124,7 +124,7 @@ def tier(server: LocalRedis, source: TierSource, codec: str, label: str = "",
             obj.release()
         last.clear()
 
-    return Contender(f"RedisTier {codec}{label}", lambda: t.put(keys, source.objs), get,
+    return Contender(f"RedisTier {codec}{label}", lambda: t.put_each(keys, source.objs), get,
                      lambda: t.delete(keys), check=check, after=after, close=t.close)
 
 

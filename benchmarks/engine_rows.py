@@ -68,7 +68,7 @@ def _tier_put(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor], 
         tier.serde = Serde(codec, config.remote_part_size, fit_size_classes=False)
     try:
         server.clear()
-        yield lambda: tier.put([s.key for s in source.specs], source.objs)
+        yield lambda: tier.put_each([s.key for s in source.specs], source.objs)
     finally:
         server.clear()
         tier.close()

@@ -163,7 +163,7 @@ class Serde:
         `MemoryObj` may stand for its tensor: its kept byte view is used (no torch call).
         With ``sealed=False`` nothing is hashed: the header comes back as a `bytearray` with
         its checksums zero, and is valid only once `header_seal`'s seal has been applied
-        (by the wire as it sends the value, `wire.apply_seals` otherwise). With a ``signer``
+        (by the wire as it sends the value, `bulk.apply_seals` otherwise). With a ``signer``
         the value is authenticated: version byte `FORMAT_VERSION | AUTHENTICATED`, the MAC of
         the checksummed header and the parts before the header checksum (so it is always
         sealed here)."""

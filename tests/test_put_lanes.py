@@ -1,4 +1,4 @@
-"""RedisTier.put and get over several connections at once (`write_lanes`, `read_lanes`),
+"""RedisTier.put_each and get over several connections at once (`write_lanes`, `read_lanes`),
 against a real Redis: every chunk lands whole, a window whose connection breaks fails alone
 (its chunks are not counted as written, and none is left half-written), the encoded bytes in
 flight stay within the write budget, and a get still serves exactly the leading run of hits.

@@ -504,7 +504,7 @@ def test_a_seal_outside_its_buffer_is_refused_before_anything_is_sent(
 def test_the_tiers_sealed_writes_store_exactly_what_serde_encodes(
     redis_url: str, key_prefix: str, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`RedisTier.put` leaves a chunk's checksums to the wire's seals; every value it stores
+    """`RedisTier.put_each` leaves a chunk's checksums to the wire's seals; every value it stores
     is byte for byte the one `Serde.encode` makes with its checksums computed up front."""
     monkeypatch.setattr(wire_mod, "NATIVE", native)
     tier, specs, objs = _stored_chunks(redis_url, key_prefix, 2, 32, remote_part_size=96 * 1024)

@@ -9,7 +9,7 @@ lookup of a cluster needs), `ClusterRedisTier` also the reads, writes and delete
   so the batch is grouped by the slot's primary node (from the client's slot table), sent as
   one pipeline per node, and the pipelines run concurrently on a small thread pool. A batch
   costs one round trip to the slowest node, not the sum over nodes. Writes, lookups and chunk
-  reads go through `wire.BulkPipeline` on the node's connection pool: values leave without a
+  reads go through `bulk.BulkPipeline` on the node's connection pool: values leave without a
   copy, and GET replies land in the chunk's own memory (raw) or the read's arena, as on a
   single node (the nodes' threads take turns in the receive sink).
 - Each node has its own `HealthGate` and `RemoteCaller` (the project's retry policy): a node
@@ -272,7 +272,7 @@ class ClusterLookup(RemoteLookup):
     ) -> list[Any]:
         """One pipeline on one node under its own gate; redirected commands re-sent.
 
-        `bulk`: send through `wire.BulkPipeline` (values leave as memoryviews, no packer
+        `bulk`: send through `bulk.BulkPipeline` (values leave as memoryviews, no packer
         copy); it raises on the first error answer (a redirect is one), and then the batch is
         sent again through redis-py's pipeline, which keeps each command's answer.
         """
