@@ -66,7 +66,8 @@ class RedisTier(RemoteWrites, RemoteReads):
         allocate: Allocator | None = None,
     ) -> None:
         #: With `integrity_key`: every value written carries a MAC, and only values whose MAC
-        #: verifies are served (`_authenticate`); read here, at start-up, never logged.
+        #: verifies are served (`value_checks.authenticate`); read here, at start-up, never
+        #: logged.
         self.integrity: IntegrityKey | None = load_integrity_key(config.integrity_key)
         RemoteLookup.__init__(self, config, layout, metrics, client)
         self.pool = pool
