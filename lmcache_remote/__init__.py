@@ -25,8 +25,7 @@ from lmcache_remote.errors import (
     UnauthenticatedEntryError,
 )
 from lmcache_remote.keys import CacheEngineKey
-
-__version__ = "0.1.0"
+from lmcache_remote.version import __version__
 
 __all__ = [
     "BackendError",

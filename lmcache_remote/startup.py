@@ -37,6 +37,7 @@ from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.cpus import available_cpus
 from lmcache_remote.errors import ConfigError
 from lmcache_remote.storage.connections import ConnectionCount
+from lmcache_remote.version import __version__
 
 __all__ = ["announce", "check_native", "masked_config", "quiet", "startup_line"]
 
@@ -97,7 +98,6 @@ def vllm_version() -> str | None:
 def startup_line(config: CacheConfig, *, role: str, namespace: str,
                  connections: ConnectionCount, kv_layout: str | None = None) -> str:
     """The one line; see the module docstring."""
-    from lmcache_remote import __version__
 
     threads = config.serde_threads or available_cpus()
     parts = [f"lmcache-remote {__version__} {role} started: namespace {namespace!r}",

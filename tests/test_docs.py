@@ -105,3 +105,11 @@ def test_metrics_doc_names_every_counter_the_code_counts() -> None:
     assert len(names) > 20
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert missing == []
+
+
+def test_the_package_and_pyproject_name_one_release() -> None:
+    """`lmcache_remote.__version__` (lmcache_remote/version.py) is pyproject.toml's version."""
+    from lmcache_remote import __version__
+
+    declared = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert declared is not None and declared.group(1) == __version__

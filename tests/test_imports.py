@@ -1,0 +1,145 @@
+"""Imports run one way (docs/architecture.md): no cycle among the package's modules, and no
+arrow up through its layers. Read from the source (every import statement, the ones inside
+functions too), so a lazy import cannot hide a cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lmcache_remote"
+
+#: Layers from the bottom. A module may import its own group and the layers below; groups of
+#: one layer do not import each other.
+LAYERS: list[list[str]] = [
+    ["core"],
+    ["connectors", "storage"],
+    ["engine", "admin"],
+    ["integrations"],
+]
+#: The modules of the engine group (the rest of the top level is core).
+ENGINE = {"engine", "engine_metadata", "promises", "store_batch", "startup", "reporting",
+          "prometheus"}
+
+
+def modules() -> dict[str, Path | None]:
+    """Dotted name -> source file (None for the C extension)."""
+    found: dict[str, Path | None] = {"lmcache_remote._wire": None}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def edges() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports."""
+    mods = modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    out: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        if path is None:
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(resolve(a.name) for a in node.names
+                               if a.name.startswith("lmcache_remote"))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                if not base.startswith("lmcache_remote"):
+                    continue
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(resolve(full if full in mods else base))
+        targets.discard(None)
+        targets.discard(name)
+        out[name] = {t for t in targets if t is not None}
+    return out
+
+
+def group(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "package"  # lmcache_remote/__init__.py: the public API, re-exports
+    top = parts[1]
+    if top in ("connectors", "storage", "admin", "integrations"):
+        return top
+    return "engine" if top in ENGINE else "core"
+
+
+def layer(group_name: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if group_name in names)
+
+
+def test_no_import_cycle() -> None:
+    graph = edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert cycles == []
+
+
+def test_no_import_points_up_or_sideways() -> None:
+    wrong = []
+    for module, targets in edges().items():
+        mine = group(module)
+        if mine == "package":
+            continue
+        for target in targets:
+            theirs = group(target)
+            if theirs == mine:
+                continue
+            if theirs == "package" or layer(theirs) >= layer(mine):
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
+
+
+def test_the_library_never_imports_the_cli() -> None:
+    users = [str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*.py")
+             if "lmcache_remote_cli" in path.read_text()]
+    assert users == []
+
+
+def test_the_layers_are_read_right() -> None:
+    """The checks above see real edges: a few this tree is known to have."""
+    graph = edges()
+    assert "lmcache_remote.storage.manager" in graph["lmcache_remote.engine"]
+    assert "lmcache_remote._wire" in graph["lmcache_remote.native"]
+    assert group("lmcache_remote.integrations.vllm.connector") == "integrations"
+    assert layer(group("lmcache_remote.storage.bulk")) < layer(group("lmcache_remote.engine"))
