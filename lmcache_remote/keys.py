@@ -125,11 +125,7 @@ class CacheEngineKey:
     @classmethod
     def from_redis_key(cls, prefix: str, key: str | bytes) -> CacheEngineKey:
         """Parse a chunk key (not a part key) under `prefix`; `KeyFormatError` otherwise."""
-        text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        head = f"{prefix}:{KEY_VERSION}:"
-        if not text.startswith(head) or not text.endswith("}"):
-            raise KeyFormatError(f"not a chunk key under {prefix!r}: {text!r}")
-        body, brace, chunk_hash = text[len(head):-1].rpartition(":{")
+        text, body, brace, chunk_hash = _key_fields(prefix, KEY_VERSION, key, "chunk")
         if not brace:
             raise KeyFormatError(f"no {{hash}} tag in {text!r}")
         return cls.from_string(f"{body}:{chunk_hash}")
@@ -159,6 +155,19 @@ def _split_part(prefix: str, key: str | bytes, parse: Callable[[str, str], _K]
             raise KeyFormatError(f"bad part index in {text!r}")
         return parse(prefix, base), int(index)
     return parse(prefix, text), 0
+
+
+def _key_fields(prefix: str, version: str, key: str | bytes, kind: str
+                ) -> tuple[str, str, str, str]:
+    """(the key as text, the fields between ``{prefix}:{version}:`` and ``:{``, the ``:{``
+    found or "", the hash tag's content) of a chunk or page key; `KeyFormatError` when it
+    does not start with that head or end with ``}``."""
+    text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+    head = f"{prefix}:{version}:"
+    if not text.startswith(head) or not text.endswith("}"):
+        raise KeyFormatError(f"not a {kind} key under {prefix!r}: {text!r}")
+    body, brace, tag = text[len(head):-1].rpartition(":{")
+    return text, body, brace, tag
 
 
 def _glob_escape(text: str) -> str:
@@ -294,11 +303,7 @@ class PageKey:
     @classmethod
     def from_redis_key(cls, prefix: str, key: str | bytes) -> PageKey:
         """Parse a page key (not a part key) under `prefix`; `KeyFormatError` otherwise."""
-        text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        head = f"{prefix}:{PAGE_KEY_VERSION}:"
-        if not text.startswith(head) or not text.endswith("}"):
-            raise KeyFormatError(f"not a page key under {prefix!r}: {text!r}")
-        body, brace, page_hash = text[len(head):-1].rpartition(":{")
+        text, body, brace, page_hash = _key_fields(prefix, PAGE_KEY_VERSION, key, "page")
         model, sep, geometry = body.rpartition(":")
         if not brace or not sep:
             raise KeyFormatError(f"not a page key: {text!r}")
