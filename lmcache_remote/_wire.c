@@ -1,7 +1,8 @@
 /* The module lmcache_remote._wire (optional: see setup.py and native.py): its method table
  * and init, and `address`, the one helper that is neither the RESP loop nor the row copier.
- * It promises what each function's docstring says; the work is in _wire_resp.c (run_batch),
- * _wire_rows.c (copy_rows) and _wire_xxh3.c (bind_xxh3, xxh3), sharing _wire.h.
+ * It promises what each function's docstring says; the work is in _wire_resp.c (run_batch,
+ * with its parts _wire_io.c, _wire_send.c, _wire_reply.c), _wire_rows.c (copy_rows) and
+ * _wire_xxh3.c (bind_xxh3, xxh3), sharing _wire.h.
  */
 #include "_wire.h"
 

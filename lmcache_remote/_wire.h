@@ -1,12 +1,13 @@
 /* What the C sources of lmcache_remote._wire share, and nothing else: the Python headers
  * (included first, with PY_SSIZE_T_CLEAN, as Python asks), SLOTS (an allocation's element
- * count), the XXH3-64 functions that _wire_xxh3.c binds and _wire_resp.c calls, and the
+ * count), the XXH3-64 functions that _wire_xxh3.c binds and the RESP loop calls, and the
  * entry points each source gives the module table in _wire.c. Names shared between the
  * sources are hidden from the extension's symbol table (WIRE_INTERNAL).
  *
  * The sources: _wire.c (the module: its table, `address`), _wire_resp.c (the bulk data
- * path's RESP send / receive loop, run_batch), _wire_rows.c (PagedKV's row copier,
- * copy_rows), _wire_xxh3.c (XXH3-64 bound from the xxhash package: bind_xxh3, xxh3).
+ * path's RESP send / receive loop, run_batch, with its parts _wire_io.c, _wire_send.c and
+ * _wire_reply.c, which share _wire_resp.h), _wire_rows.c (PagedKV's row copier, copy_rows),
+ * _wire_xxh3.c (XXH3-64 bound from the xxhash package: bind_xxh3, xxh3).
  */
 #ifndef LMCR_WIRE_H
 #define LMCR_WIRE_H
@@ -32,7 +33,7 @@ typedef uint64_t (*xxh3_fn)(const void *data, size_t len);
 extern WIRE_INTERNAL xxh3_fn xxh3_64;
 /* The same package's streaming XXH3-64 (the same digest, fed piece by piece): a seal hashes
  * a big source one piece at a time, each piece just before it is sent (see
- * _wire_resp.c's send_commands).
+ * _wire_send.c's send_commands).
  * All NULL when the package lacks one of them: each source is then hashed whole. */
 typedef void *(*xxh3_new_fn)(void);
 typedef int (*xxh3_free_fn)(void *state);
