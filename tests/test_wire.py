@@ -2,7 +2,7 @@
 replies per command, values received in place, and connections that time out or break.
 
 Every test that reads replies runs twice, once with the Python reader and once with the native
-loop (lmcache_remote/_wire.c): the two must agree on every reply and every error. The native
+loop (lmcache_remote/_wire_resp.c): the two must agree on every reply and every error. The native
 runs are skipped where the extension was not built, unless LMCR_REQUIRE_NATIVE=1 (the test
 command sets it), which makes them fail instead."""
 

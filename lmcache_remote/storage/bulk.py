@@ -40,7 +40,7 @@ Contract:
 
 Two readers speak this protocol. On a plain TCP or UNIX socket every batch (the GETs of a
 read, the EXISTS of a lookup, the SETs of a write) runs in `lmcache_remote._wire`
-(lmcache_remote/_wire.c, built with the package): values are sent as views by one `sendmsg`
+(lmcache_remote/_wire_resp.c, built with the package): values are sent as views by one `sendmsg`
 per 1024 buffers, each bulk payload is read by one ``readv`` into its destination and a small
 tail buffer, no copy through a receive buffer, and with no sink or a list of places the whole
 batch runs without the GIL, its replies made into Python objects at the end (a callable sink
