@@ -1,5 +1,5 @@
 /* XXH3-64 (seed 0) bound from the xxhash package's own extension (bind_xxh3), so the RESP
- * loop's seals and digests (_wire_resp.c) are exactly the package's: the one-shot function
+ * loop's seals and digests (_wire_send.c) are exactly the package's: the one-shot function
  * (its vector dispatch where exported) and, where the package has all of them and they agree
  * with it, the streaming functions. Until bound every pointer is NULL (the loop then makes
  * no digests and refuses seals) and xxh3() raises RuntimeError. native.py binds it once and
