@@ -50,7 +50,7 @@ export PATH="$PWD/$VENV/bin:$PATH"
 ensure_torch
 pip_install_project test
 
-"$PY" -c "from lmcache_remote.storage import bulk; print("native receive loop:", bulk.NATIVE)"
+"$PY" -c "from lmcache_remote.storage import bulk; print('native receive loop:', bulk.NATIVE)"
 export LMCR_REQUIRE_NATIVE=1
 
 section "ruff"
