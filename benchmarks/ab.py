@@ -56,8 +56,8 @@ def main() -> None:
                 for op, seconds in got.items():
                     figures[name].setdefault(op, []).extend(seconds)
             print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
-    print(f"{args.tokens} tokens (8 layers, 8 KV heads of 128, bfloat16, kv_split blocks of 16), "
-          f"{args.rounds} rounds x {args.reps} repetitions, medians")
+    print(f"{args.tokens} tokens (8 layers, 8 KV heads of 128, bfloat16, kv_split blocks of 16); "
+          f"128 pages of 1 MiB; {args.rounds} rounds x {args.reps} repetitions, medians")
     print("| operation | before (ms) | after (ms) | after / before |")
     print("|---|---|---|---|")
     table = {}
