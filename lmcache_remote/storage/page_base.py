@@ -11,7 +11,10 @@ The store's state (geometry, part plan, serde, client, health gate, staging pool
   the call's context, so its deadline goes with it), stopping at the first window refused.
 - Bounds: every public call runs under one deadline, `remote_timeout` for the whole call
   (`storage.deadline`, honoured by the bulk wire on every wait), through `RemoteCaller` (one
-  retry on a broken connection, a health gate that skips a dead server at once). Bytes in
+  retry on a broken connection, a health gate that skips a dead server at once). On a Redis
+  Cluster the wire is `cluster_scatter.ClusterWire`: each call's commands go to their nodes
+  as one bulk pipeline per node, concurrently, under the same deadline and each node's own
+  gate; a call any of whose nodes fails fails as a whole (a miss, a write reported False). Bytes in
   flight: about `WINDOW_BYTES` of staging per call, plus the encoded values for a compressing
   codec. Staging comes from one `MemoryPool` per store bounded by `max_local_cpu_size` (the
   project's memory budget; windows are never larger than it), its buffers reused call after
@@ -33,9 +36,10 @@ from typing import Any, TypeVar
 
 import torch
 import xxhash
+from redis.cluster import RedisCluster
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.errors import BackendError
+from lmcache_remote.errors import BackendError, BackendUnavailableError
 from lmcache_remote.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.keys import PageKey, page_scan_pattern
 from lmcache_remote.memory import MemoryObj, MemoryPool
@@ -44,6 +48,7 @@ from lmcache_remote.serde import Serde
 from lmcache_remote.sizing import longest_value
 from lmcache_remote.storage.bulk import BulkPipeline, Seal, supports
 from lmcache_remote.storage.client import RemoteCaller, make_client
+from lmcache_remote.storage.cluster_scatter import ClusterScatter, ClusterWire
 from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import byte_windows
@@ -92,18 +97,27 @@ class PageStoreBase:
         self.serde = Serde(config.serde, config.remote_part_size, fit_size_classes=True)
         self.nparts = self.serde.part_count(self.page_nbytes)
         self.client = client if client is not None else make_client(config)
-        self.wire = BulkPipeline(self.client) if supports(self.client) else None
         self.gate = HealthGate(config.unhealthy_backoff)
         self.caller = RemoteCaller(config.remote_timeout, self.gate, "redis pages")
         self.timeout = config.remote_timeout
+        self._longest = longest_value(self.page_nbytes)
+        self._log = RateLimitedLogger(logger)
+        self.scatter: ClusterScatter | None = None
+        self.wire: BulkPipeline | ClusterWire | None = None
+        if supports(self.client):
+            self.wire = BulkPipeline(self.client)
+        elif isinstance(self.client, RedisCluster):
+            # Its own gate, only reported: one node's failure must not close the store.
+            self.scatter = ClusterScatter(config, HealthGate(config.unhealthy_backoff),
+                                          self.metrics, self._log, self._longest,
+                                          error_metric=None, client=self.client)
+            self.wire = ClusterWire(self.scatter, "pages")
         self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
         # Staging within the budget: one pool, a window never larger than the bound.
         self.pool = MemoryPool(config.max_local_cpu_bytes)
         self._window_bytes = max(1, min(window_bytes, config.max_local_cpu_bytes))
         self._lanes: ThreadPoolExecutor | None = None
         self._lanes_lock = threading.Lock()
-        self._longest = longest_value(self.page_nbytes)
-        self._log = RateLimitedLogger(logger)
         self._closed = threading.Event()
 
     def present(self, keys: Sequence[PageKey]) -> int:
@@ -142,8 +156,8 @@ class PageStoreBase:
                 and self.serde.codec.codec_id == 0)
 
     def _lane_count(self, configured: int) -> int:
-        """Connections a call uses at once: the configured lanes over the bulk wire, one on a
-        cluster client (redis-py's pipeline) or once the store is closed."""
+        """Connections a call uses at once: the configured lanes over the bulk wire (on a
+        cluster, lanes per node), one once the store is closed."""
         return configured if self.wire is not None and not self._closed.is_set() else 1
 
     def _windows(self, count: int, lanes: int) -> list[range]:
@@ -213,6 +227,9 @@ class PageStoreBase:
             return
         self._closed.set()
         self.gate.close()
+        if self.scatter is not None:
+            self.scatter.gate.close()
+            self.scatter.close()
         self.serde.close()
         with self._lanes_lock:
             lanes, self._lanes = self._lanes, None
@@ -253,7 +270,18 @@ class PageStoreBase:
                 pipe.execute_command(*command)
             return list(pipe.execute())
 
-        return self.caller.call(op)
+        return self._call(op)
+
+    def _call(self, op: Callable[[], _R]) -> _R:
+        """``op`` under the store's gate and retry policy; on a cluster under the nodes' own
+        (`ClusterScatter`), so that one node's failure fails this call only. Either way
+        within `remote_timeout` or the call's deadline, whichever is sooner."""
+        if self.scatter is None:
+            return self.caller.call(op)
+        if self._closed.is_set():
+            raise BackendUnavailableError("redis pages: the store is closed")
+        with call_deadline(self.timeout):
+            return op()
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.metrics.inc("pages.errors")

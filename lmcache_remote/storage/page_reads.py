@@ -201,7 +201,7 @@ class PageReads(PageStoreBase):
                                 digests=digests, max_bulk=self._longest)
 
         replies = [_as_received(reply, place) for reply, place in
-                   zip(self.caller.call(op), sink, strict=True)]
+                   zip(self._call(op), sink, strict=True)]
         return regroup(replies, key_lists), regroup(digests, key_lists)
 
     def _decode(self, key: PageKey, values: list[Any], out: torch.Tensor,
