@@ -21,7 +21,8 @@ Redis is a private `redis-server` on loopback (no persistence); the file backend
 directory on local disk (`--dir`, default a temporary one under /tmp). The file backend's reads
 of pages written moments before come from the kernel's page cache, as they would on a server
 that wrote them; nothing here drops caches. Target (issue 28): the Redis backend at least as
-fast as the file backend on both.
+fast as the file backend on both. The last row is the limit of any Redis client here: the plain
+socket (`limits.PlainSocket`) reading the values the Redis backend stored, no checks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ sys.path[:0] = [str(ROOT / "tests" / "sglang_hicache"), str(ROOT / "tests")]
 
 import rig  # noqa: E402
 from servers import RedisServer  # noqa: E402
+
+from benchmarks.limits import PlainSocket  # noqa: E402
 
 
 def measure(make: Any, pages: int, rounds: int, seed: int) -> dict[str, float]:
@@ -65,6 +68,30 @@ def measure(make: Any, pages: int, rounds: int, seed: int) -> dict[str, float]:
         reader.close()
         writer.close()
     return {"write": pages / statistics.median(write_s), "read": pages / statistics.median(read_s)}
+
+
+def plain_socket_read(server: RedisServer, pages: int, rounds: int) -> float:
+    """Pages per second the plain socket (`limits.PlainSocket`: pipelined GETs received with
+    ``recv_into``, no checks) reads of the values the Redis backend stored: the same bytes
+    from the same server, the limit of any Redis client on this machine."""
+    client = server.client()
+    names = sorted(client.scan_iter(match="bench:hc1:*", count=1000))
+    by_page: dict[bytes, list[bytes]] = {}
+    for name in names:
+        by_page.setdefault(name.split(b"}")[0], []).append(name)
+    chosen = [n for group in list(by_page.values())[:pages] for n in group]
+    assert len(by_page) >= pages, f"only {len(by_page)} pages stored"
+    into = [memoryview(bytearray(int(client.strlen(n)))) for n in chosen]
+    sock = PlainSocket(server.port)
+    times = []
+    try:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            sock.get_many(chosen, into)
+            times.append(time.perf_counter() - start)
+    finally:
+        sock.close()
+    return pages / statistics.median(times)
 
 
 def main() -> None:
@@ -96,6 +123,7 @@ def main() -> None:
         ]
         for seed, (name, make) in enumerate(backends):
             rows.append((name, measure(make, args.pages, args.rounds, seed * 1000)))
+        limit = plain_socket_read(server, args.pages, max(5, args.rounds))
     finally:
         server.stop()
     print(f"\n{args.pages} pages of {page_mib:g} MiB (page size 64, {args.layers} layers, 8 KV "
@@ -106,12 +134,16 @@ def main() -> None:
         gb = page_mib * 2**20 / 1e9
         print(f"| {name} | {figures['write']:.0f} | {figures['read']:.0f} | "
               f"{figures['write'] * gb:.2f} | {figures['read'] * gb:.2f} |")
+    gb = page_mib * 2**20 / 1e9
+    print(f"| plain socket (GETs of the same values, no checks; the limit) | - | {limit:.0f} "
+          f"| - | {limit * gb:.2f} |")
     redis_row, file_row = rows[0][1], rows[-1][1]
     for op in ("write", "read"):
         verdict = "met" if redis_row[op] >= file_row[op] else "NOT met"
         print(f"\ntarget {op}: Redis {redis_row[op]:.0f} >= file {file_row[op]:.0f} pages/s: "
               f"{verdict}", end="")
-    print()
+    print(f"\nread: Redis at {redis_row['read'] / limit:.2f}x the plain socket; the plain socket "
+          f"at {limit / file_row['read']:.2f}x the file backend")
 
 
 if __name__ == "__main__":
