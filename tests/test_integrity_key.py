@@ -191,6 +191,31 @@ def test_forged_values_are_never_served_counted_and_left_in_place(
     assert _values(redis_client, key_prefix) == before
 
 
+def test_runs_checked_while_the_next_one_arrives_keep_the_prefix_rule(
+        redis_url: str, redis_client: redis.Redis, key_prefix: str, key_file: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keyed read receives each window in runs (`remote_reads.VERIFY_RUN_BYTES`), checking
+    one run's MACs while the next one comes in on a receiver thread: with one chunk a run and
+    one lane, every chunk after the first arrives that way. All six come back exact; a forged
+    fourth cuts the run there, the chunk being received behind it is released with the rest,
+    and nothing stays held in the tier's pool."""
+    import threading
+
+    from lmcache_remote.storage import remote_reads
+
+    monkeypatch.setattr(remote_reads, "VERIFY_RUN_BYTES", 1)
+    toks = kvutil.tokens(6 * CHUNK, 9)
+    with _engine(redis_url, key_prefix, key_file) as writer:
+        assert writer.store(toks, det_kv(toks)) == 6 * CHUNK
+    with _engine(redis_url, key_prefix, key_file, remote_read_lanes=1) as reader:
+        assert _retrieve(reader, toks) == 6 * CHUNK
+        assert any(t.name.startswith("lmcr_receiver") for t in threading.enumerate())
+        _forged(redis_client, _chunk_keys(redis_client, key_prefix, toks, 3), "payload")
+        assert _retrieve(reader, toks) == 3 * CHUNK
+        assert _counts(reader) == {"unauthenticated": 1, "foreign": 0, "corrupt": 0, "hit": 9}
+        assert reader.storage.remote.pool.used_bytes == 0
+
+
 def test_values_moved_under_another_key_or_mixed_between_chunks_are_never_served(
         redis_url: str, redis_client: redis.Redis, key_prefix: str, key_file: str) -> None:
     """Same tokens under two model names (same chunk hashes, same geometry): each chunk's

@@ -79,11 +79,13 @@ class RedisTier(RemoteWrites, RemoteReads):
         self._write_lock = threading.Lock()
         self._writers: ThreadPoolExecutor | None = None
         self._readers: LanePool | None = None  # the step's reads before background ones
+        self._receivers: ThreadPoolExecutor | None = None  # runs received while others check
         self._write_budget = ByteBudget(redis_commands.WINDOW_BYTES)
 
     def _lane_pool(self, name: str, lanes: int) -> Any:
-        """The lane threads ``name``, started on first use: ``_writers`` (an executor) or
-        ``_readers`` (a `lanes.LanePool`: reads inside `background_reads` yield to others)."""
+        """The lane threads ``name``, started on first use: ``_writers`` or ``_receivers`` (an
+        executor) or ``_readers`` (a `lanes.LanePool`: reads inside `background_reads` yield
+        to others)."""
         with self._write_lock:
             pool = getattr(self, name)
             if pool is None:
@@ -117,7 +119,8 @@ class RedisTier(RemoteWrites, RemoteReads):
     def _join_threads(self) -> None:
         """Waits for the lane threads (`close`)."""
         with self._write_lock:
-            pools, self._writers, self._readers = (self._writers, self._readers), None, None
+            pools = (self._writers, self._readers, self._receivers)
+            self._writers, self._readers, self._receivers = None, None, None
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True)

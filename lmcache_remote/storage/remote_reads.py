@@ -7,7 +7,8 @@
   deleted so nobody trips on it again. With an `integrity_key` a value is served only when
   its MAC verifies for the key it was read from (`value_checks.authenticate`); one without a
   MAC, or with one that does not verify, is a miss left in place
-  (`remote.unauthenticated_chunks`).
+  (`remote.unauthenticated_chunks`). Such a window arrives in runs of about
+  `VERIFY_RUN_BYTES`, one run's MACs checked while the next run is received.
 - GET replies are received through `bulk.BulkPipeline` (a cluster: per node,
   `ClusterRedisTier._bulk_get`) into the chunk's own memory when the value is stored raw,
   otherwise into a reused arena; a reply is used only after the whole batch arrived, and a
@@ -18,8 +19,10 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from lmcache_remote.errors import (
@@ -49,6 +52,8 @@ logger = logging.getLogger(__name__)
 #: Why a chunk whose MAC does not verify over intact parts is not served.
 _UNVERIFIED = ("its MAC does not verify under this integrity key (forged, moved from another "
                "key, or another key's)")
+#: Raw bytes per run of a window read with an `integrity_key` (`RemoteReads._get_window`).
+VERIFY_RUN_BYTES = 4 * 1024 * 1024
 #: Gives a read its chunk buffer of so many tokens, or None when there is no room.
 Allocator = Callable[[int], MemoryObj | None]
 
@@ -110,7 +115,13 @@ class RemoteReads(RemoteLookup, StorageTier):
             raise error
 
     def _get_window(self, window: Sequence[ChunkSpec]) -> tuple[list[MemoryObj], bool]:
-        """The leading run of good chunks of one window, and whether the whole window was."""
+        """The leading run of good chunks of one window, and whether the whole window was.
+
+        With an `integrity_key` the window is received in runs of about `VERIFY_RUN_BYTES`,
+        each run's MACs checked on this thread while the next run is received on a receiver
+        thread (BLAKE3 and the receive loop both run without the GIL): the lanes' windows
+        arrive together, so checking only after a whole window would add every byte's MAC to
+        the read instead of hiding it behind the transfer."""
         objs: list[MemoryObj] = []
         for spec in window:
             obj = self.allocate(spec.num_tokens)
@@ -120,17 +131,41 @@ class RemoteReads(RemoteLookup, StorageTier):
             objs.append(obj)
         arena = self._arenas.acquire()
         good: list[MemoryObj] = []
+        pending: Future[Any] | None = None
         try:
-            replies, digests = self._receive(window[: len(objs)], objs, arena)
-            for spec, obj, values, known in zip(window, objs, replies, digests, strict=False):
-                if not self._decode_received(spec, obj, values, known):
-                    break
-                good.append(obj)
+            specs = window[: len(objs)]
+            runs = self._verify_runs(specs) if self.integrity is not None else [range(len(specs))]
+            receive = lambda run: self._receive(  # noqa: E731
+                [specs[i] for i in run], [objs[i] for i in run], arena)
+            received = receive(runs[0]) if runs else ([], [])
+            for n, run in enumerate(runs):
+                if pending is not None:
+                    received, pending = pending.result(), None
+                if n + 1 < len(runs):  # the next run comes in while this one is checked
+                    pending = self._lane_pool("_receivers", self.read_lanes).submit(
+                        contextvars.copy_context().run, receive, runs[n + 1])
+                replies, digests = received
+                for i, values, known in zip(run, replies, digests, strict=True):
+                    if not self._decode_received(specs[i], objs[i], values, known):
+                        return good, False
+                    good.append(objs[i])
+        except BaseException:  # a later run failed: the window fails whole, as one batch
+            good.clear()
+            raise
         finally:
+            if pending is not None:  # a run still coming into chunks about to be released
+                with contextlib.suppress(BaseException):
+                    pending.result()
             self._arenas.release(arena)
             for obj in objs[len(good):]:
                 obj.release()
         return good, len(good) == len(window)
+
+    def _verify_runs(self, specs: Sequence[ChunkSpec]) -> list[range]:
+        """Consecutive runs of the window's chunks, each about `VERIFY_RUN_BYTES` (at least
+        one chunk)."""
+        sizes = [self.layout.nbytes(spec.num_tokens) for spec in specs]
+        return byte_windows(sizes, VERIFY_RUN_BYTES)
 
     def _receive(
         self, specs: Sequence[ChunkSpec], objs: Sequence[MemoryObj], arena: Any
