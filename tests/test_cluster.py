@@ -359,3 +359,25 @@ def test_chunks_cut_by_another_writer_count_as_they_read(cluster: ClusterServers
                                          foreign.CHUNK)
     finally:
         client.close()
+
+
+def test_a_chunk_found_foreign_is_not_promised_again(cluster: ClusterServers, key_prefix: str,
+                                                     tmp_path: Path) -> None:
+    """The cluster's lookup keeps RemoteLookup's rule: a chunk a read of this process found
+    it would not serve (here an unkeyed writer's value, for a reader holding an
+    `integrity_key`) is not promised by the next lookup, which would only make vLLM wait on a
+    load that comes back empty."""
+    from tests.faultkit import check_retrieve, det_kv, sentinel_kv
+
+    key = tmp_path / "integrity.key"
+    key.write_bytes(b"8f3a" * 16)
+    key.chmod(0o600)
+    toks = kvutil.tokens(3 * CHUNK, 21)
+    with _engine(cluster.url, key_prefix) as writer:
+        assert writer.store(toks, det_kv(toks)) == 3 * CHUNK
+    with _engine(cluster.url, key_prefix, integrity_key=f"file:{key}") as reader:
+        assert reader.lookup(toks) == 3 * CHUNK  # there, and not read yet
+        dst, read = sentinel_kv(len(toks))
+        assert check_retrieve(reader.retrieve(toks, dst), toks, read) == 0
+        assert reader.stats()["remote"]["unauthenticated_chunks"] == 1
+        assert reader.lookup(toks) == 0

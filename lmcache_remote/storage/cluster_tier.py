@@ -100,7 +100,7 @@ class ClusterLookup(RemoteLookup):
         key_lists = [self._keys(s) for s in specs]
         results = self._run([("EXISTS", *keys) for keys in key_lists], "lookup")
         counts = [None if failed(r) else int(r) for r in results]
-        return self._present(specs, key_lists, counts)
+        return self._not_known_foreign(specs, self._present(specs, key_lists, counts))
 
     def _lookup_run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """`RedisTier._lookup_run` per node (a failed node's replies are `FAILED`)."""

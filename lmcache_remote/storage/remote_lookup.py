@@ -162,11 +162,17 @@ class RemoteLookup:
         wire = self._bulk()
         counts: list[Any] = self.caller.call(
             lambda: wire.execute([self._exists_command(s) for s in specs]))
-        present = self._present(specs, key_lists, [int(c) for c in counts])
-        if self._foreign:
-            present = [p and not self._known_foreign(s.key) for p, s in zip(present, specs,
-                                                                           strict=True)]
-        return present
+        return self._not_known_foreign(specs, self._present(specs, key_lists,
+                                                            [int(c) for c in counts]))
+
+    def _not_known_foreign(self, specs: Sequence[ChunkSpec], present: list[bool]) -> list[bool]:
+        """``present`` less the chunks this process found foreign a moment ago (a value it
+        would not serve: another release's, or unauthenticated): never promised again until
+        the note expires."""
+        if not self._foreign:
+            return present
+        return [p and not self._known_foreign(s.key) for p, s in zip(present, specs,
+                                                                     strict=True)]
 
     def check_bulk(self) -> None:
         """One `EXISTS` of a probe key through the bulk path (the native loop or its Python
