@@ -17,7 +17,8 @@ Per window it prints, per engine: retrieved/lookup, hit tokens per tier, wrong K
 exceptions, the slowest call and RSS; at the end the hit rate by the popularity of the first
 document (reported, not judged), the criteria (`soak.report`) and the exit code: 0 passed,
 1 failed, 130 interrupted. `--no-lru-touch` runs the engines without the LRU refresh
-(`remote_lru_touch: false`), `--restart-every S` restarts them with empty local tiers.
+(`remote_lru_touch: false`), `--restart-every S` restarts them with empty local tiers,
+`--integrity-key file:PATH` gives every engine that `integrity_key`.
 docs/reliability.md has the figures of long runs (and of the refresh on and off),
 docs/testing.md how the short run is part of the test command.
 

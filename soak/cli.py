@@ -40,6 +40,9 @@ def parse(argv: list[str]) -> tuple[SoakSettings, str | None]:
                         "local tier) every SECONDS, staggered; default never")
     p.add_argument("--top-docs", type=int, default=d.top_docs,
                    help="the popularity report's top group: documents of Zipf rank 1..N")
+    p.add_argument("--integrity-key", metavar="SOURCE", default=d.integrity_key,
+                   help="every engine's integrity_key (file:PATH or env:NAME): values carry "
+                        "a MAC, reads serve only those that verify")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     a = p.parse_args(argv)
     try:
@@ -48,7 +51,7 @@ def parse(argv: list[str]) -> tuple[SoakSettings, str | None]:
             local_mib=a.local_mib, redis_maxmemory_mib=a.redis_maxmemory_mib,
             remote_timeout=a.remote_timeout, rate=a.rate, fault_interval=a.fault_interval,
             rss_slack_mib=a.rss_slack_mib, seed=a.seed, lru_touch=not a.no_lru_touch,
-            restart_every=a.restart_every, top_docs=a.top_docs)
+            restart_every=a.restart_every, top_docs=a.top_docs, integrity_key=a.integrity_key)
     except ValueError as exc:
         p.error(str(exc))
     return settings, a.json

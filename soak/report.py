@@ -145,6 +145,7 @@ def engine_summary(result: SoakResult, run: EngineRun) -> dict[str, Any]:
         "remote_miss_chunks": _counter(run, "remote.miss_chunks"),
         "remote_incomplete_chunks": _counter(run, "remote.incomplete_chunks"),
         "remote_corrupt_chunks": _counter(run, "remote.corrupt_chunks"),
+        "remote_unauthenticated_chunks": _counter(run, "remote.unauthenticated_chunks"),
         "wrong_tokens": _sum(run, "wrong_tokens"), "stray_tokens": _sum(run, "stray_tokens"),
         "bad_masks": _sum(run, "bad_masks"), "warnings": _sum(run, "warnings"),
         "exceptions": _sum(run, "exceptions") + len((run.ready or {}).get(
@@ -282,7 +283,8 @@ def summary_lines(result: SoakResult, criteria: list[Criterion],
             f"{e['local_evicted_chunks']}, pool_full {e['remote_pool_full']}, no_room "
             f"{e['no_room_chunks']}, lookup capped {e['lookup_capped_tokens']} tokens; Redis "
             f"misses {e['remote_miss_chunks']}, incomplete {e['remote_incomplete_chunks']}, "
-            f"corrupt {e['remote_corrupt_chunks']}; warnings logged "
+            f"corrupt {e['remote_corrupt_chunks']}, unauthenticated "
+            f"{e['remote_unauthenticated_chunks']}; warnings logged "
             f"{e['warnings']}; slowest {slow}; "
             f"RSS peak {e['peak_rss'] / MIB:.0f} MiB (baseline {e['baseline_rss'] / MIB:.0f})")
     lines += popularity_lines(popularity_report(result))

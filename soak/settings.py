@@ -45,6 +45,8 @@ class SoakSettings:
     engines staggered over the period; None = never."""
     top_docs: int = 5
     """The popularity report's "top" group: the documents of Zipf ranks 1..top_docs."""
+    integrity_key: str | None = None
+    """The engines' `integrity_key` (a source: ``file:PATH`` or ``env:NAME``); None = none."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,6 +90,7 @@ class SoakSettings:
             "remote_part_size": self.remote_part_size,
             "stats_publish_interval": None,
             "remote_lru_touch": self.lru_touch,
+            "integrity_key": self.integrity_key,
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -48,7 +48,7 @@ COUNTERS = (
     "remote.dropped_chunks", "remote.written_chunks", "remote.corrupt_chunks",
     "remote.incomplete_chunks", "remote.miss_chunks", "engine.store_out_of_memory_chunks",
     "engine.promise_broken_tokens", "engine.lookup_capped_tokens", "memory.no_room_chunks",
-    "remote.duplicate_writes_skipped", "remote.touched_keys",
+    "remote.duplicate_writes_skipped", "remote.touched_keys", "remote.unauthenticated_chunks",
 )
 #: The popularity report (per window, per group of the first document's Zipf rank): requests,
 #: the whole chunks of the first document (`chunks`) and how many of them retrieve delivered

@@ -71,6 +71,51 @@ def test_every_call_ends_within_the_timeout_on_a_slow_link(
         proxy.close()
 
 
+def test_a_keyed_read_in_runs_ends_within_the_timeout_on_a_slow_link(
+        private_redis: Any, key_prefix: str, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read with an `integrity_key` comes in runs, each received on a receiver thread while
+    the one before is checked (`remote_reads.VERIFY_RUN_BYTES`, one chunk a run here): on a
+    link slow enough that the deadline falls in the middle of a run, the call still ends within
+    the timeout, serves only exact tokens, and leaves no chunk buffer held."""
+    import threading
+
+    from lmcache_remote.storage import remote_reads
+
+    monkeypatch.setattr(remote_reads, "VERIFY_RUN_BYTES", 1)
+    key = tmp_path / "integrity.key"
+    key.write_bytes(b"5e" * 32)
+    key.chmod(0o600)
+
+    def keyed(url: str) -> CacheEngine:
+        return CacheEngine(CacheConfig(remote_url=url, key_prefix=key_prefix, local_cpu=False,
+                                       remote_timeout=TIMEOUT, store_async=False,
+                                       stats_publish_interval=None, remote_read_lanes=1,
+                                       integrity_key=f"file:{key}"), META)
+
+    stored = _kv(None)
+    with keyed(private_redis.url) as writer:
+        assert writer.store(TOKENS, stored) == len(TOKENS)
+    proxy = Throttle(private_redis.port, 3_000_000)  # a 2 MiB chunk in about 0.7 s
+    try:
+        with keyed(proxy.url) as reader:
+            dst = _kv(-1.0)
+            start = time.monotonic()
+            hit = reader.retrieve(TOKENS, dst)
+            elapsed = time.monotonic() - start
+            assert elapsed <= TIMEOUT + MARGIN, elapsed
+            assert any(t.name.startswith("lmcr_receiver") for t in threading.enumerate())
+            n = int(hit.sum())
+            assert n < len(TOKENS) and bool(hit[:n].all()) and not bool(hit[n:].any())
+            for got, want in zip(dst._keys + dst._values, stored._keys + stored._values,
+                                 strict=True):
+                assert torch.equal(got[:, :n], want[:, :n])
+                assert bool((got[:, n:] == -1.0).all())
+            assert reader.storage.remote.pool.used_bytes == 0
+    finally:
+        proxy.close()
+
+
 def test_page_calls_on_a_slow_cluster_link_end_within_the_timeout(key_prefix: str) -> None:
     """The page store (SGLang's backend) on a Redis Cluster whose every node is reached through
     a crawling link: each master announces its `Throttle` (`cluster-announce-port`), so the
