@@ -36,19 +36,11 @@ from lmcache_remote.keys import CacheEngineKey
 from lmcache_remote.memory import ChunkLayout, MemoryPool
 from lmcache_remote.metrics import Metrics
 from lmcache_remote.storage.bulk import Seal, apply_seals
-from lmcache_remote.storage.cluster_scatter import (
-    FAILED,
-    ClusterScatter,
-    Command,
-    Receive,
-    failed,
-)
+from lmcache_remote.storage.cluster_scatter import ClusterScatter, Command, Receive, failed
 from lmcache_remote.storage.redis_commands import chunk_write_command
 from lmcache_remote.storage.redis_tier import Allocator, RedisTier
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.resp import Reply
-
-__all__ = ["FAILED", "ClusterLookup", "ClusterRedisTier"]
 
 
 class _Unconnected:
