@@ -175,6 +175,23 @@ def _table(res: Results, sections: Sequence[str]) -> list[str]:
     return out
 
 
+def _peer_paragraph(measured: bool) -> str:
+    """What the run did with the real LMCache."""
+    if not measured:
+        return ("The real LMCache was left out of this run (`--no-lmcache`): no LMCache row "
+                "below was measured. Its side environment is the benchmark's own set-up, "
+                "`bash scripts/lmcache_env.sh`, which a run with the peer calls.")
+    return ("The real LMCache (`lmcache==0.5.6`, its `RemoteBackend` with `remote_serde: naive` "
+            "over a `LocalCPUBackend` on a `HostMemoryAllocator`) runs in the same run, on the "
+            "same redis-server and the same bf16 bytes, one subprocess per variant "
+            "(`benchmarks/lmcache_peer.py`): `redis://` as `pip install lmcache` leaves it "
+            "(redis-py without hiredis), the same with hiredis on its path, and `resp://` (its "
+            "C++ RESP client, `save_chunk_meta: False`). Its environment lives outside the "
+            "checkout and is built once by `scripts/lmcache_env.sh` (torch==2.14.1 from local "
+            "disk first, then lmcache from PyPI; hiredis in a folder of its own), the "
+            "benchmark's own set-up, which the run calls; `--no-lmcache` leaves these rows out.")
+
+
 def render(res: Results, sizes: Any, command: str, machine: dict[str, str], elapsed: float,
            codecs: Sequence[str]) -> str:
     shape, count = sizes.sets[0]
@@ -202,16 +219,9 @@ def render(res: Results, sizes: Any, command: str, machine: dict[str, str], elap
         "also saved its figures (`--save docs/benchmarks.json`); `--render` rewrites this page "
         "from them without running anything.",
         "",
-        "The real LMCache (`lmcache==0.5.6`, its `RemoteBackend` with `remote_serde: naive` over "
-        "a `LocalCPUBackend` on a `HostMemoryAllocator`) runs in the same run, on the same "
-        "redis-server and the same bf16 bytes, one subprocess per variant "
-        "(`benchmarks/lmcache_peer.py`): `redis://` as `pip install lmcache` leaves it (redis-py "
-        "without hiredis), the same with hiredis on its path, and `resp://` (its C++ RESP "
-        "client, `save_chunk_meta: False`). Its environment lives outside the checkout and is "
-        "built once by `scripts/lmcache_env.sh` (torch==2.14.1 from local disk first, then "
-        "lmcache from PyPI; hiredis in a folder of its own), which the run calls; "
-        "`--no-lmcache` leaves these rows out. The last set is run a second time beside a "
-        "busy Python thread (`beside a busy Python thread` rows): " + ", ".join(BUSY_FIELD)
+        _peer_paragraph("lmcache" in machine)
+        + " The last set is run a second time beside a busy Python thread (`beside a busy "
+        "Python thread` rows): " + ", ".join(BUSY_FIELD)
         + ", each with one thread spinning in its own process (`benchmarks/spinner.py`) and "
         "none elsewhere.",
         "",

