@@ -5,6 +5,8 @@ the checks the connector makes of it at start-up.
   spec (or the model config), the same on both sides so that the scheduler's keys are the
   workers'; `ValueError` for what the connector does not support (several KV cache groups,
   K and V head sizes that differ).
+- `unserved_model(kv_cache_config)`: why the connector must pass this model through (a KV
+  cache group whose blocks do not hold every token of the prefix), or None.
 - `model_namespace(settings, vllm_config)`: the model field of the keys (name and the weights'
   fingerprint).
 - `prefix_lookup(settings, geometry, model, world_size)`: the scheduler's lookup over every
@@ -36,11 +38,39 @@ from lmcache_remote.serde import dtype_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_VLLM", "check_version", "model_namespace", "prefix_lookup",
-           "spec_geometry", "warn_on_fail_policy"]
+__all__ = ["SERVED_SPECS", "SUPPORTED_VLLM", "check_version", "model_namespace",
+           "prefix_lookup", "spec_geometry", "unserved_model", "warn_on_fail_policy"]
 
 #: The vLLM releases (major.minor) the connector is tested inside.
 SUPPORTED_VLLM = ("0.32", "0.33")
+
+#: The KV cache specs whose groups the connector loads and stores: every block of a request's
+#: prefix is a real block holding its tokens' K and V. A full-attention group with a
+#: `sliding_window` (vLLM's own promotion of sliding-window layers beside full-attention ones
+#: when the hybrid manager is off) is one of them: vLLM keeps every block of it.
+SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def unserved_model(kv_cache_config: Any | None) -> str | None:
+    """Why this model's KV cache cannot be served by the connector, or None. Exact spec classes
+    only: a sliding-window group (an all-SWA model such as Mistral v0.1: vLLM keeps it a
+    `SlidingWindowSpec` even with the hybrid manager off and hands the connector its null
+    block below the window, for loads and for stores), a recurrent state, a chunked-local or
+    any other kind, including subclasses of the served ones that drop blocks, is not served."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    for group in groups:
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if kind in SERVED_SPECS:
+            continue
+        window = getattr(spec, "sliding_window", None)
+        what = f"a {kind} KV cache group"
+        if window:
+            what += f" (sliding window of {window} tokens)"
+        return (f"{what} over {len(group.layer_names)} layers: vLLM keeps only some of such a "
+                "group's blocks and hands the connector its null block for the others, which "
+                "the connector does not yet load or store right")
+    return None
 
 
 def spec_geometry(vllm_config: Any, kv_cache_config: Any | None) -> KVGeometry | None:

@@ -37,6 +37,12 @@ worker metadata of the next step, which then stops claiming hits. Sleep mode (vL
 
 While layer-wise transfer is on (the default), `requires_piecewise_for_cudagraph` asks vLLM
 for piecewise CUDA graphs: under full graphs the per-layer hooks would be skipped.
+
+A model whose KV cache the connector cannot serve right (`config.unserved_model`: a
+sliding-window group of an all-SWA model, a recurrent state, any spec but full attention and
+MLA) is passed through: a WARNING at start-up on each side, then every hook does nothing (no
+lookup, no load, no store, no Redis connection), and vLLM runs as it would without the
+connector. Never a refusal to start, never wrong KV.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from lmcache_remote.integrations.vllm.config import (
     model_namespace,
     prefix_lookup,
     spec_geometry,
+    unserved_model,
     warn_on_fail_policy,
 )
 from lmcache_remote.integrations.vllm.messages import (
@@ -103,16 +110,28 @@ class LmcrConnector(KVConnectorBase_V1):
             raise ValueError(f"kv_role must be one of {ROLES}, got {kv_role!r}")
         can_save = kv_role != "kv_consumer"
         can_load = kv_role != "kv_producer"
-        model = model_namespace(self._settings, vllm_config)
-        self._namespace = self._base_namespace = model
-        parallel = vllm_config.parallel_config
-        world_size = int(getattr(parallel, "world_size", 1) or 1)
-        self._geometry = spec_geometry(vllm_config, kv_cache_config)
         self._lookup: PrefixLookup | None = None
         self._stats: connector_stats.StatsDelta | None = None
         self._fleet: SchedulerPublisher | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._passthrough = unserved_model(kv_cache_config)
+        if self._passthrough is not None:
+            logger.warning(
+                "lmcache-remote: LmcrConnector passes this model through: %s. The cache is off "
+                "for this engine (no lookups, loads or stores); vLLM runs as without the "
+                "connector. Served: models whose layers are all full attention or MLA, and "
+                "sliding-window layers beside full-attention ones (vLLM runs them as full "
+                "attention under this connector). See docs/integrations.md.",
+                self._passthrough)
+            self._namespace = self._base_namespace = ""
+            self._geometry = None
+            return
+        model = model_namespace(self._settings, vllm_config)
+        self._namespace = self._base_namespace = model
+        parallel = vllm_config.parallel_config
+        world_size = int(getattr(parallel, "world_size", 1) or 1)
+        self._geometry = spec_geometry(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             warn_on_fail_policy(transfer)
             self._lookup = prefix_lookup(self._settings, self._geometry, model, world_size)
@@ -150,6 +169,8 @@ class LmcrConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._passthrough is not None:
+            return
         worker = self._worker_side()
         self._register(worker, kv_caches)
         if self._geometry is not None and self._geometry != worker.geometry:
@@ -158,6 +179,8 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        if self._passthrough is not None:
+            return
         worker = self._worker_side()
         namespace = getattr(connector_metadata, "namespace", None)
         if namespace:
@@ -167,18 +190,24 @@ class LmcrConnector(KVConnectorBase_V1):
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33's sleep: every transfer is finished and nothing touches the caches until
         `restore_kv_caches`."""
-        self._worker_side().suspend()
+        if self._passthrough is None:
+            self._worker_side().suspend()
 
     def restore_kv_caches(self) -> None:
-        self._worker_side().resume()
+        if self._passthrough is None:
+            self._worker_side().resume()
 
     def build_connector_worker_meta(self) -> Any:
+        if self._passthrough is not None:
+            return None
         worker = self._worker_side()
         if worker.disabled is None or KVConnectorWorkerMetadata is object:
             return None
         return LmcrWorkerMetadata(worker.disabled)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._passthrough is not None:
+            return
         worker = self._worker_side()
         if not worker.registered and worker.disabled is None:
             caches = caches_from_forward_context(forward_context)
@@ -188,24 +217,29 @@ class LmcrConnector(KVConnectorBase_V1):
         worker.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker_side().wait_for_layer(layer_name)
+        if self._passthrough is None:
+            self._worker_side().wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        self._worker_side().save_layer(layer_name)
+        if self._passthrough is None:
+            self._worker_side().save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        self._worker_side().wait_for_save()
+        if self._passthrough is None:
+            self._worker_side().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                    set[str] | None]:
+        if self._passthrough is not None:
+            return None, None
         worker = self._worker_side()
         worker.forget(finished_req_ids)
         return worker.finished_stores() or None, worker.finished_loads() or None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         preempted = getattr(kv_connector_metadata, "preempted", None)
-        if preempted:
+        if preempted and self._passthrough is None:
             self._worker_side().wait_for_stores(preempted)
 
     # -- vLLM's metrics ------------------------------------------------------------------------
@@ -213,6 +247,8 @@ class LmcrConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """What changed since the last step: a worker's loads and stores, or the scheduler's
         lookups and promises; vLLM sums them over every rank and the scheduler."""
+        if self._passthrough is not None:
+            return None
         if self._stats is None:
             if self._worker is not None:  # a worker: its engine's, once the caches are in
                 if self._worker.engine is None:
@@ -238,6 +274,8 @@ class LmcrConnector(KVConnectorBase_V1):
         return LmcrPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._passthrough is not None:
+            return set()
         return self._worker_side().take_load_errors()
 
     def shutdown(self) -> None:
@@ -254,7 +292,7 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not _cacheable(request):
+        if self._passthrough is not None or not _cacheable(request):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         side = self._scheduler_side()
@@ -266,6 +304,8 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
+        if self._passthrough is not None:
+            return
         get_ids = getattr(blocks, "get_block_ids", None)
         self._scheduler_side().after_alloc(request.request_id, num_external_tokens,
                                            getattr(request, "cache_salt", None),
@@ -273,6 +313,8 @@ class LmcrConnector(KVConnectorBase_V1):
                                            len(request.prompt_token_ids or []))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self._passthrough is not None:
+            return LmcrConnectorMetadata([], set(), self._namespace)
         new = [NewRequest(r.req_id, list(r.prompt_token_ids or []), _group0(r.block_ids) or [],
                           r.num_computed_tokens)
                for r in scheduler_output.scheduled_new_reqs if _cacheable(r)]
@@ -310,11 +352,13 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, LmcrWorkerMetadata):
+        if isinstance(meta, LmcrWorkerMetadata) and self._passthrough is None:
             self._scheduler_side().turn_off(meta.disabled)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool,
                                                                            dict[str, Any] | None]:
+        if self._passthrough is not None:
+            return False, None
         return self._scheduler_side().finish(request.request_id), None
 
     # -- helpers ------------------------------------------------------------------------------
