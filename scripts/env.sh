@@ -265,6 +265,10 @@ SGLANG_ENV="sglang-$SGLANG_VERSION"
 
 ensure_sglang_env() {
     local py
+    if [ ! -f "$LMCR_ENV_DIR/$SGLANG_ENV/.lmcr-stamp" ]; then
+        say "note: pip's resolver will print an ERROR listing sglang's CUDA requirements and its" \
+            "torch==2.14.1 pin as not met: expected, they are left out on purpose (CPU only)"
+    fi
     py="$(ensure_side_env "$SGLANG_ENV" "torch==$TORCH_VERSION" \
         "--no-deps sglang==$SGLANG_VERSION" \
         "torch==$TORCH_VERSION numpy psutil pydantic requests msgspec orjson pyzmq packaging pybase64 \

@@ -61,7 +61,7 @@ stage() {
             return
         fi
     done
-    ( set -e; "$@" )
+    ( set -e; shopt -s inherit_errexit; "$@" )  # errexit inside $(...) too
     local rc=$?
     if [ "$rc" -eq 0 ]; then result="passed"; else result="failed (exit $rc)"; FAILED=1; fi
     if [ "$rc" -ne 0 ] && [ -n "${HINTS[$name]:-}" ]; then
@@ -99,9 +99,10 @@ SKIP_SGLANG="${LMCR_SKIP_SGLANG:-0}"
 # ---- set-up ----------------------------------------------------------------------------------
 
 # What to do when a set-up fails (printed under its section).
-SIDE_HINT="read pip's message above; PyPI must be reachable and $LMCR_ENV_DIR needs the free space \
-docs/testing.md gives (about 7 GB for all side environments); rerun this command (a step that \
-failed is done again; rm -rf the environment's folder to build it anew)"
+SIDE_HINT="read the message above (pip's, or the file system's): PyPI must be reachable and \
+$LMCR_ENV_DIR (LMCR_ENV_DIR moves it) writable, with the free space docs/testing.md gives (about \
+7 GB for all side environments); rerun this command (a step that failed is done again; rm -rf \
+the environment's folder to build it anew)"
 HINTS["set-up: redis-server"]="install Redis 7 or newer (apt-get install redis-server) or put \
 a redis-server on PATH (LMCR_REDIS_SERVER names one), then rerun"
 HINTS["set-up: .venv (torch $TORCH_VERSION and the project)"]="read the message above: python3 \
