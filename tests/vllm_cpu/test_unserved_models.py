@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import Fleet, prompt
+from enginekit import Fleet, prompt, save_random
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,17 +37,12 @@ B = A[:SHARED] + prompt(52, 23)
 def save_all_swa_mistral(folder: Path) -> Path:
     """A Mistral of random weights (seed 0, bfloat16) whose every layer has a sliding window
     of `WINDOW` tokens: 4 layers, hidden 256, 4 query heads, 2 KV heads of 64."""
-    import torch
     import transformers
 
-    config = transformers.MistralConfig(
+    return save_random(folder, transformers.MistralConfig(
         vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=WINDOW,
-        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    return folder
+        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False))
 
 
 @pytest.fixture(scope="module")
