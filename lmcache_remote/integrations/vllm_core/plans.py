@@ -22,6 +22,7 @@ class Span:
 class RequestPlan:
     """One request's transfers in one step (picklable: vLLM sends it to every worker).
 
+    A model of several KV cache groups has one plan per group with something to move.
     `async_load`: the load runs in the background, for a request vLLM keeps waiting
     (`WAITING_FOR_REMOTE_KVS`) until every worker reports it in `get_finished`."""
 
@@ -32,6 +33,8 @@ class RequestPlan:
     load: Span | None = None
     save: Span | None = None
     async_load: bool = False
+    group: int = 0
+    """The KV cache group whose blocks `slot_mapping` addresses (`vllm_core.groups`)."""
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:

@@ -30,11 +30,19 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from lmcache_remote.integrations.vllm_core.groups import MAMBA, KVGroup, plain
 from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
+
+#: A request whose background load failed this many times is not promised a hit again.
+MAX_LOAD_FAILURES = 2
+
+
+#: Block ids of a request: one list per KV cache group (a flat list: the only group's).
+BlockIds = Sequence[Sequence[int]] | Sequence[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +51,7 @@ class NewRequest:
 
     req_id: str
     prompt_token_ids: Sequence[int]
-    block_ids: Sequence[int]
+    block_ids: BlockIds
     num_computed_tokens: int
 
 
@@ -52,7 +60,7 @@ class CachedRequest:
     """A request scheduled again (one entry of vLLM's CachedRequestData)."""
 
     req_id: str
-    new_block_ids: Sequence[int] | None
+    new_block_ids: BlockIds | None
     resumed: bool
     num_computed_tokens: int
 
@@ -60,9 +68,24 @@ class CachedRequest:
 @dataclasses.dataclass
 class _Tracker:
     prompt: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per group
     salt: str | None
     stored_end: int = 0
+
+
+def per_group(block_ids: BlockIds | None, num_groups: int) -> list[list[int]] | None:
+    """`block_ids` as one list per group (a flat list is the only group's)."""
+    if block_ids is None:
+        return None
+    if len(block_ids) and isinstance(block_ids[0], (list, tuple)):
+        lists = [list(ids) for ids in block_ids]  # type: ignore[arg-type]
+    elif num_groups == 1:
+        lists = [list(block_ids)]  # type: ignore[arg-type]
+    else:
+        lists = [[] for _ in range(num_groups)] if not len(block_ids) else []
+    if len(lists) != num_groups:
+        raise ValueError(f"block ids of {len(lists)} KV cache groups, expected {num_groups}")
+    return lists
 
 
 class SchedulerSide:
@@ -72,8 +95,13 @@ class SchedulerSide:
     def __init__(self, lookup: Callable[[Sequence[int], str | None], int], chunk_size: int,
                  block_size: int, *, save_unfull_chunk: bool = False, can_load: bool = True,
                  can_save: bool = True, async_load_min_tokens: int | None = None,
-                 async_save: bool = False, lookup_wait_s: float | None = None) -> None:
+                 async_save: bool = False, lookup_wait_s: float | None = None,
+                 groups: Sequence[KVGroup] | None = None) -> None:
         self._lookup = lookup
+        #: the KV cache groups of a model that is not plain (`groups.plain`): plans per group,
+        #: every load in the background; None: one full-attention group, as always
+        self.groups = None if groups is None or plain(groups) else list(groups)
+        self._failures: dict[str, int] = {}  # request -> background loads that failed
         self._background = (BackgroundLookup(lookup, lookup_wait_s)
                             if lookup_wait_s is not None else None)
         self.async_save = async_save
@@ -86,7 +114,7 @@ class SchedulerSide:
         self.can_save = can_save
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (num_computed, loadable end)
         self._loads: dict[str, Span] = {}
-        self._load_blocks: dict[str, list[int]] = {}  # for loads vLLM may run asynchronously
+        self._load_blocks: dict[str, list[list[int]]] = {}  # for loads run asynchronously
         self._salts: dict[str, str | None] = {}
         self._prompts: dict[str, list[int]] = {}
         self._trackers: dict[str, _Tracker] = {}
@@ -102,6 +130,8 @@ class SchedulerSide:
         self._salts[req_id] = cache_salt
         if not self.can_load or len(prompt) < 2:
             return 0
+        if self._failures.get(req_id, 0) >= MAX_LOAD_FAILURES:
+            return 0  # its load failed the same way each time: vLLM computes it
         try:
             if self._background is not None:
                 found = self._background(req_id, prompt, cache_salt)
@@ -128,12 +158,27 @@ class SchedulerSide:
         self.can_load = self.can_save = False
 
     def loads_async(self, num_tokens: int) -> bool:
-        """Whether a hit of `num_tokens` is offered to vLLM as an asynchronous load."""
+        """Whether a hit of `num_tokens` is offered to vLLM as an asynchronous load: always
+        for a model of several groups (vLLM cannot take a failed block of such a model, only
+        a failed request, which it recomputes whole)."""
+        if self.groups is not None:
+            return num_tokens > 0
         limit = self.async_load_min_tokens
         return limit is not None and num_tokens >= limit
 
+    def load_failed(self, req_ids: Iterable[str]) -> None:
+        """vLLM reports these requests' background loads failed (it recomputes them): a
+        request whose load failed `MAX_LOAD_FAILURES` times is not promised a hit again."""
+        for req_id in req_ids:
+            self._failures[req_id] = self._failures.get(req_id, 0) + 1
+            self.metrics.inc("vllm.failed_load_requests")
+            if self._failures[req_id] == MAX_LOAD_FAILURES:
+                self._log.warning("load", "request %s: its load from the cache failed %d "
+                                  "times; no hit is promised for it again", req_id,
+                                  MAX_LOAD_FAILURES)
+
     def after_alloc(self, req_id: str, num_external: int, cache_salt: str | None = None,
-                    block_ids: Sequence[int] | None = None, prompt_tokens: int = 0) -> None:
+                    block_ids: BlockIds | None = None, prompt_tokens: int = 0) -> None:
         """vLLM allocated blocks (`block_ids`: all of the request's) for `num_external` hit
         tokens. A load that vLLM runs asynchronously is planned from these blocks in the next
         `build` (the request is not scheduled until it has arrived). The first time for a
@@ -152,38 +197,43 @@ class SchedulerSide:
         skip = num_computed // self.chunk_size * self.chunk_size
         self._loads[req_id] = Span(skip, num_computed, num_computed + num_external)
         if block_ids is not None:
-            self._load_blocks[req_id] = list(block_ids)
+            lists = per_group(block_ids, self._num_groups)
+            assert lists is not None
+            self._load_blocks[req_id] = lists
 
     def build(self, new: Iterable[NewRequest], cached: Iterable[CachedRequest],
               num_scheduled: Mapping[str, int], finished: Iterable[str] = ()) -> list[RequestPlan]:
         for req_id in finished:
             self.finish(req_id)
-        plans = []
+        plans: list[RequestPlan | None] = []
         for req in new:
             tracker = self._trackers.get(req.req_id)  # known: its load ran asynchronously
+            blocks = per_group(req.block_ids, self._num_groups) or []
             if tracker is None:
-                tracker = _Tracker(list(req.prompt_token_ids), list(req.block_ids),
+                tracker = _Tracker(list(req.prompt_token_ids), blocks,
                                    self._salts.get(req.req_id))
                 tracker.stored_end = self._hits.get(req.req_id, (0, 0))[1]
                 self._trackers[req.req_id] = tracker
             else:
-                tracker.block_ids = list(req.block_ids)
+                tracker.block_ids = blocks
                 self._roll_back(tracker, req.num_computed_tokens)
             self._load_blocks.pop(req.req_id, None)
             end = req.num_computed_tokens + num_scheduled.get(req.req_id, 0)
-            plans.append(self._plan(req.req_id, tracker, end))
+            plans.extend(self._plan(req.req_id, tracker, req.num_computed_tokens, end))
         for creq in cached:
             known = self._trackers.get(creq.req_id)
             if known is None:
                 continue
             self._roll_back(known, creq.num_computed_tokens)
             self._load_blocks.pop(creq.req_id, None)
+            added = per_group(creq.new_block_ids, self._num_groups)
             if creq.resumed:
-                known.block_ids = list(creq.new_block_ids or [])
-            elif creq.new_block_ids:
-                known.block_ids.extend(creq.new_block_ids)
+                known.block_ids = added or [[] for _ in range(self._num_groups)]
+            elif added:
+                for ids, more in zip(known.block_ids, added, strict=True):
+                    ids.extend(more)
             end = creq.num_computed_tokens + num_scheduled.get(creq.req_id, 0)
-            plans.append(self._plan(creq.req_id, known, end))
+            plans.extend(self._plan(creq.req_id, known, creq.num_computed_tokens, end))
         plans.extend(self._async_loads())
         return [p for p in plans if p is not None]
 
@@ -207,17 +257,23 @@ class SchedulerSide:
             self._hits.pop(req_id, None)
             if load is None or prompt is None:
                 continue
-            tracker = _Tracker(list(prompt), list(block_ids), self._salts.get(req_id),
+            tracker = _Tracker(list(prompt), block_ids, self._salts.get(req_id),
                                stored_end=load.end)
             self._trackers[req_id] = tracker
+            mine = []  # every group's part, or none: a load is never half planned
             try:
-                slots = slot_mapping(block_ids, self.block_size, load.end)
+                for group in range(self._num_groups):
+                    span = self._group_load(group, load)
+                    if span is None:
+                        continue
+                    slots = slot_mapping(block_ids[group], self._block_size(group), load.end)
+                    mine.append(RequestPlan(req_id, tracker.prompt[:load.end], slots,
+                                            tracker.salt, span, None, async_load=True,
+                                            group=group))
             except ValueError as exc:
                 self._log.warning("plan", "request %s skipped: %s", req_id, exc)
-                plans.append(None)
-                continue
-            plans.append(RequestPlan(req_id, tracker.prompt[:load.end], slots, tracker.salt,
-                                     load, None, async_load=True))
+                mine = []
+            plans.extend(mine)
         return plans
 
     def finish(self, req_id: str) -> bool:
@@ -235,30 +291,87 @@ class SchedulerSide:
         self._prompts.pop(req_id, None)
         self._salts.pop(req_id, None)
         self._trackers.pop(req_id, None)
+        self._failures.pop(req_id, None)
         return delay
 
     def close(self) -> None:
         if self._background is not None:
             self._background.close()
 
-    def _plan(self, req_id: str, tracker: _Tracker, computed_end: int) -> RequestPlan | None:
+    def _plan(self, req_id: str, tracker: _Tracker, num_computed: int,
+              computed_end: int) -> list[RequestPlan]:
+        """The step's plans for one request: one per group with something to move."""
         load = self._loads.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._prompts.pop(req_id, None)
         save = self._save_span(tracker, computed_end) if self.can_save else None
         if load is None and save is None:
-            return None
-        n = max(load.end if load else 0, save.end if save else 0)
-        try:
-            slots = slot_mapping(tracker.block_ids, self.block_size, n)
-        except ValueError as exc:
-            self._log.warning("plan", "request %s skipped: %s", req_id, exc)
-            return None
+            return []
+        plans = []
+        for group in range(self._num_groups):
+            group_load = None if load is None else self._group_load(group, load)
+            group_save = None if save is None else self._group_save(group, tracker, save,
+                                                                    num_computed, computed_end)
+            if group_load is None and group_save is None:
+                continue
+            n = max(group_load.end if group_load else 0, group_save.end if group_save else 0)
+            try:
+                slots = slot_mapping(tracker.block_ids[group], self._block_size(group), n)
+            except ValueError as exc:
+                self._log.warning("plan", "request %s skipped: %s", req_id, exc)
+                return []
+            plans.append(RequestPlan(req_id, tracker.prompt[:n], slots, tracker.salt,
+                                     group_load, group_save, group=group))
         if save is not None:
             tracker.stored_end = save.end
-            if self.async_save:
+            if self.async_save and plans:
                 self._saved.add(req_id)
-        return RequestPlan(req_id, tracker.prompt[:n], slots, tracker.salt, load, save)
+        return plans
+
+    @property
+    def _num_groups(self) -> int:
+        return 1 if self.groups is None else len(self.groups)
+
+    def _block_size(self, group: int) -> int:
+        return self.block_size if self.groups is None else self.groups[group].block_size
+
+    def _group_load(self, group: int, load: Span) -> Span | None:
+        """The group's part of a load: an SWA group loads only what vLLM keeps at the hit,
+        the blocks of its last window (below them vLLM gave it the null block)."""
+        if self.groups is None:
+            return load
+        kept = self.groups[group].first_kept(load.end)
+        skip = max(load.skip, kept)
+        if skip >= load.end:
+            return None
+        return Span(skip, max(load.start, skip), load.end)
+
+    def _group_save(self, group: int, tracker: _Tracker, save: Span, num_computed: int,
+                    computed_end: int) -> Span | None:
+        """The group's part of a store: an SWA group stores only whole chunks whose blocks
+        vLLM holds for the request through this step: none below the first block kept at
+        `num_computed` (vLLM frees those and hands them to other requests) nor a null
+        block (below the window of a hit). A Mamba group stores the state this step ends
+        with, when it ends on a chunk (= block) boundary: the chunk ending there, from the
+        block vLLM keeps that state in."""
+        if self.groups is None:
+            return save
+        blocks = tracker.block_ids[group]
+        size = self._block_size(group)
+        if self.groups[group].kind == MAMBA:
+            end = save.end
+            index = (end - 1) // size
+            if (end != computed_end or end < self.chunk_size or index >= len(blocks)
+                    or blocks[index] == 0):
+                return None
+            start = end - self.chunk_size
+            return Span(start, max(save.start, start), end)
+        first_real = next((i for i, b in enumerate(blocks) if b != 0), len(blocks)) * size
+        held = max(save.skip, self.groups[group].first_kept(num_computed), first_real)
+        skip = -(-held // self.chunk_size) * self.chunk_size
+        if skip >= save.end:
+            return None
+        return Span(skip, max(save.start, skip), save.end)
 
     def _save_span(self, tracker: _Tracker, computed_end: int) -> Span | None:
         prompt_done = min(computed_end, len(tracker.prompt))

@@ -99,14 +99,15 @@ class WorkerSide:
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], *, use_mla: bool,
                  dtype: torch.dtype | None = None, block_size: int | None = None,
-                 writer: CacheWriter | None = None) -> None:
+                 writer: CacheWriter | None = None, opaque: bool = False) -> None:
         """Take the per-layer caches (in layer order). `use_mla` and `dtype` come from the KV
         cache spec (see `layer_view`); `block_size` is the scheduler's block size, in which
         block ids are reported (default: the tensors' own). `writer` is the attention
         backend's own cache-write op on the first layer: the reading of the caches is proven
         with it (`proof.proven_layout`), or the connector turns itself off on this rank
         (`disabled` says why: ERROR logged once, nothing stored or loaded, every planned load
-        reported failed so that vLLM recomputes it)."""
+        reported failed so that vLLM recomputes it). `opaque`: the layers are bytes copied
+        as they are (a recurrent state's page, `worker_groups`): nothing to prove."""
         if not kv_caches:
             raise ValueError("no KV cache layers to register")
         if self.engine is not None:  # registered again (new caches): start over
@@ -124,7 +125,8 @@ class WorkerSide:
         self.geometry = KVGeometry(probe.num_layers, probe.num_kv_heads, probe.head_size,
                                    probe.dtype, layout == "mla")
         try:
-            self._reading = proven_layout(self._layers, layout, writer)
+            self._reading = (ProvenLayout(self._layers, layout, None, tiled=False) if opaque
+                             else proven_layout(self._layers, layout, writer))
         except (LayoutUnproven, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
             self.disabled = f"the KV cache layout could not be proven: {exc}"
             logger.error("lmcache-remote connector OFF on rank %d: %s (shape %s, %s). Nothing "
@@ -223,6 +225,15 @@ class WorkerSide:
         for missed in done.values():
             self._errors |= missed
         return set(done)
+
+    def finished_load_misses(self) -> dict[str, set[int]]:
+        """Requests whose background load is over, each with its missing blocks (empty: all
+        loaded), for a caller that reports failed requests rather than blocks."""
+        return self._background.finished_loads()
+
+    @property
+    def engines(self) -> list[CacheEngine]:
+        return [] if self.engine is None else [self.engine]
 
     def wait_for_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
