@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -198,6 +199,30 @@ def test_sliding_window_model_is_refused(key_prefix: str) -> None:
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          use_sliding_window=True, sliding_window=16, max_window_layers=0)
     model = Qwen2ForCausalLM(config)
+    with cache_engine(model, None, key_prefix) as engine, pytest.raises(ValueError,
+                                                                         match="full attention"):
+        CachedLM(model, engine)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_next"])
+def test_hybrid_models_are_refused_at_construction(key_prefix: str, kind: str) -> None:
+    """A Gemma3-style model (sliding-window layers beside full ones) and a Qwen3-Next-style
+    one (Gated DeltaNet linear attention beside full): the cache is a `DynamicCache` of
+    other layer kinds, which `CachedLM` does not load or store: refused with the reason."""
+    import transformers
+
+    common = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    if kind == "gemma3":
+        config: Any = transformers.Gemma3TextConfig(
+            **common, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    else:
+        config = transformers.Qwen3NextConfig(
+            **common, layer_types=["linear_attention", "full_attention"], num_experts=2,
+            num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with cache_engine(model, None, key_prefix) as engine, pytest.raises(ValueError,
                                                                          match="full attention"):
         CachedLM(model, engine)

@@ -22,6 +22,9 @@ How SGLang drives it (its `HiCacheController`/`HybridCacheController`):
   page geometry (attention kind, layout, dtype, page size, this rank's share, the page's memory
   regions as `get_page_buffer_meta` lists them) and with it the key family
   `{prefix}:hc1:{model}:{geometry}:{{page_hash}}` (`keys.PageKey`).
+- `register_mem_host_pool_v2(pool, name)`: every host pool; a hybrid model's other pools
+  (sliding window, Mamba, ...) are not served (SGLang's v2 calls are not implemented: such a
+  model gets no reuse from Redis, never wrong KV): one WARNING says so at start-up.
 - `batch_exists(keys)`: how many leading pages are in Redis (one round trip). SGLang takes the
   minimum over its ranks.
 - `batch_set_v1(keys, host_indices)` / `batch_get_v1(keys, host_indices)` (`interface_v1` on):
@@ -155,6 +158,23 @@ class RedisHiCacheStorage(HiCacheStorage):
             logger.info("lmcache-remote SGLang pages: %s:hc1:%s:%s:{page hash}",
                         self.config.key_prefix, model, self._pages_geometry)
         self._start_publisher()
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang registers every host pool here (the KV pool too). A hybrid model's other pools
+        (sliding window, Mamba/linear attention, indexer, draft) go to SGLang's v2 calls, which
+        this backend does not implement: said once, at start-up (SGLang then writes nothing
+        and hits nothing for requests that carry such a pool, and logs each failure)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name != "kv" and not getattr(self, "_warned_sidecar", False):
+            self._warned_sidecar = True
+            logger.warning(
+                "lmcache-remote SGLang backend: this model has a %r host pool (a hybrid "
+                "model): the backend stores and loads the KV pool only, not SGLang's "
+                "sliding-window, Mamba/linear-attention, indexer or draft pools, so SGLang "
+                "writes and hits nothing for this model's requests that carry one (it logs "
+                "each as a failed backup or query). No wrong KV is served; this model gets "
+                "no reuse from Redis. See docs/integrations.md.", name)
 
     def _start_publisher(self) -> None:
         """Publishes this backend's counters for `lmcache-remote stats` (fleet stats), unless
