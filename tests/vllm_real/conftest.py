@@ -27,14 +27,15 @@ def engines(model_config: Any, redis_url: str, key_prefix: str
              num_blocks: int = 256, cache_dtype: str = "auto", policy: str = "recompute",
              max_batched_tokens: int = 1024, prefix_caching: bool = False,
              kv_role: str = "kv_both", log_stats: bool = False,
-             windows: dict[int, int] | None = None, **extra: Any) -> rig.Instance:
+             windows: dict[int, int] | None = None, hma: bool = True,
+             **extra: Any) -> rig.Instance:
         config = {"remote_url": url, "key_prefix": key_prefix, "chunk_size": rig.CHUNK,
                   "max_local_cpu_size": 0.05, "remote_timeout": 1.0, **extra}
         made.append(rig.Instance(model_config, config, layout=layout, mla=mla, tp=tp,
                                  num_blocks=num_blocks, cache_dtype=cache_dtype, policy=policy,
                                  max_batched_tokens=max_batched_tokens,
                                  prefix_caching=prefix_caching, kv_role=kv_role,
-                                 log_stats=log_stats, windows=windows))
+                                 log_stats=log_stats, windows=windows, hma=hma))
         return made[-1]
 
     yield make

@@ -297,7 +297,7 @@ class Instance:
                  kv_heads: int = HEADS, head_size: int = HEAD,
                  step_time: Callable[[SchedulerOutput], float] | None = None,
                  fake_compute: bool = True, log_stats: bool = False,
-                 windows: dict[int, int] | None = None) -> None:
+                 windows: dict[int, int] | None = None, hma: bool = True) -> None:
         self.mla, self.tp, self.layout = mla, tp, KVCacheLayout[layout]
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         #: layer index -> sliding window: those layers are vLLM `SlidingWindowSpec` groups,
@@ -319,7 +319,8 @@ class Instance:
                                      enable_prefix_caching=prefix_caching),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_batched_tokens, max_num_seqs=16,
-                max_model_len=8192, enable_chunked_prefill=True, is_encoder_decoder=False),
+                max_model_len=8192, enable_chunked_prefill=True, is_encoder_decoder=False,
+                disable_hybrid_kv_cache_manager=None if hma else True),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             kv_transfer_config=transfer if connector else None,
             device_config=DeviceConfig("cpu"))
@@ -339,6 +340,10 @@ class Instance:
         full_names = [n for i, n in enumerate(self.names) if i not in self.windows]
         if full_names:
             groups.append(KVCacheGroupSpec(full_names, spec))
+        if not hma and len(groups) > 1:  # vLLM's unification: one full group, windows kept
+            windows = sorted(set(self.windows.values()))
+            groups = [KVCacheGroupSpec(list(self.names),
+                                       dataclasses.replace(spec, sliding_window=windows[0]))]
         self.kv_cache_config = get_kv_cache_config_from_groups(
             self.config, groups, num_blocks * layers * spec.page_size_bytes)
         self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks

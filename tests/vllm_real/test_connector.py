@@ -633,13 +633,13 @@ def test_requests_not_named_by_their_tokens_pass_through(engines: Engines) -> No
 
 def test_a_model_it_cannot_serve_passes_through(engines: Engines,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    """A KV cache group of vLLM's `MambaSpec` (a recurrent state): the connector is built in
-    both roles (never a refusal to start), says why at start-up, claims no hit for a prefix
-    Redis holds, plans nothing and takes no block. The whole engine on such a model:
+    """A KV cache group of vLLM's `MambaSpec` with no state kept (`mamba_cache_mode` none), and
+    one whose K and V head sizes differ: the connector is built in both roles (never a
+    refusal to start), says why at start-up, claims no hit for a prefix Redis holds, plans
+    nothing and takes no block. The whole engine on such a model:
     tests/vllm_cpu/test_hybrid_models.py."""
     import dataclasses
 
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.sampling_params import SamplingParams
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
@@ -652,24 +652,39 @@ def test_a_model_it_cannot_serve_passes_through(engines: Engines,
     assert engine.scheduler_connector.get_num_new_matched_tokens(again, 0) == (2 * CHUNK, False)
     group = engine.kv_cache_config.kv_cache_groups[0]
     full = group.kv_cache_spec
-    spec = MambaSpec(block_size=full.block_size, shapes=((3, 64),), dtypes=(full.dtype,))
-    config = dataclasses.replace(engine.kv_cache_config, kv_cache_groups=[
-        KVCacheGroupSpec(list(group.layer_names), spec)])
-    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING):
-            connector = KVConnectorFactory.create_connector(engine.config, role, config)
-        assert ("LmcrConnector passes this model through: a MambaSpec KV cache group over "
-                f"{len(group.layer_names)} layers") in caplog.text
-        if role == KVConnectorRole.SCHEDULER:
-            assert connector.get_num_new_matched_tokens(again, 0) == (0, False)
-            assert connector.request_finished(again, [1, 2, 3]) == (False, None)
-            assert connector.request_finished_all_groups(again, ([1, 2, 3],)) == (False, None)
-        else:
-            connector.register_kv_caches(engine.ranks[0].caches)
-            assert connector.get_finished({"again"}) == (None, None)
-            assert connector.get_block_ids_with_load_errors() == set()
-        connector.shutdown()
+    unserved = {
+        "a MambaSpec KV cache group over 2 layers: mamba_cache_mode 'none'": MambaSpec(
+            block_size=full.block_size, shapes=((3, 64),), dtypes=(full.dtype,)),
+        "a FullAttentionSpec KV cache group over 2 layers: K head size 16 != V head size 32":
+            dataclasses.replace(full, head_size_v=2 * full.head_size),
+    }
+    for said, spec in unserved.items():
+        config = dataclasses.replace(engine.kv_cache_config, kv_cache_groups=[
+            KVCacheGroupSpec(list(group.layer_names), spec)])
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            check_pass_through(engine, config, role, said, again, caplog)
+
+
+def check_pass_through(engine: Instance, config: Any, role: Any, said: str, again: Any,
+                       caplog: pytest.LogCaptureFixture) -> None:
+    """The connector built by vLLM's factory for `config` in `role` says `said` at start-up
+    and does nothing."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        connector = KVConnectorFactory.create_connector(engine.config, role, config)
+    assert f"LmcrConnector passes this model through: {said}" in caplog.text
+    if role == KVConnectorRole.SCHEDULER:
+        assert connector.get_num_new_matched_tokens(again, 0) == (0, False)
+        assert connector.request_finished(again, [1, 2, 3]) == (False, None)
+        assert connector.request_finished_all_groups(again, ([1, 2, 3],)) == (False, None)
+    else:
+        connector.register_kv_caches(engine.ranks[0].caches)
+        assert connector.get_finished({"again"}) == (None, None)
+        assert connector.get_block_ids_with_load_errors() == set()
+    connector.shutdown()
 
 
 # -- asynchronous loads ------------------------------------------------------------------------

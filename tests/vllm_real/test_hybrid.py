@@ -82,6 +82,23 @@ def test_a_second_engine_loads_each_group_as_vllm_allocates_it(
     assert loaded(reader) == expected  # the window and the full prefix: nothing else read
 
 
+def test_with_the_hybrid_manager_off_a_sliding_window_model_keeps_todays_keys(
+        engines: Engines, redis_client: redis.Redis, key_prefix: str) -> None:
+    """`disable_hybrid_kv_cache_manager`: vLLM runs the SWA+full model as one full-attention
+    group (`sliding_window` kept for the kernel) and calls `request_finished`: the connector
+    serves it as any full-attention model, under today's keys (no group tag)."""
+    tokens = prompt(700, seed=36)
+    writer = engines(windows=HYBRID, hma=False, store_async=False)
+    (group,) = writer.kv_cache_config.kv_cache_groups
+    assert type(group.kv_cache_spec).__name__ == "FullAttentionSpec"
+    run(writer, "w", tokens)
+    keys = [k.decode() for k in redis_client.scan_iter(match=f"{key_prefix}:v1:*")]
+    assert keys and not any("~" in k for k in keys)
+    reader = engines(windows=HYBRID, hma=False, local_cpu=False)
+    run(reader, "r", tokens)  # attention read the right KV of both layers
+    assert loaded(reader) == 512  # the plain path's chunks of 256: two
+
+
 def test_request_finished_all_groups_and_the_multi_group_metadata(
         engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = prompt(500, seed=32)

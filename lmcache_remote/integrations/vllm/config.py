@@ -87,6 +87,10 @@ def unserved_model(kv_cache_config: Any | None, chunk_size: int | None = None) -
             if why:
                 return f"{what}: {why}"
             continue
+        head_v = getattr(spec, "head_size_v", None)
+        if kind in SERVED_SPECS and not is_mla(spec) and head_v not in (None, spec.head_size):
+            return (f"{what}: K head size {spec.head_size} != V head size {head_v} (the "
+                    "chunks hold K and V of one size)")
         if kind in SERVED_SPECS and not (kind == "SlidingWindowSpec" and is_mla(spec)):
             continue
         return (f"{what}: the connector loads and stores full-attention, MLA, sliding-window "
