@@ -229,3 +229,24 @@ def test_a_state_is_loaded_into_its_block_and_stored_only_where_a_step_ended() -
     plans = side.build([NewRequest("s", prompt, ([0] * 12 + [5], list(range(60, 73))), 0)],
                        [], {"s": 1600})
     assert [p.group for p in plans] == [1]
+
+
+def test_state_pages_it_cannot_read_turn_the_rank_off_not_vllm() -> None:
+    """A Mamba layer's cache handed in a form the connector cannot read as bytes per block
+    (here bfloat16 values): that rank's connector goes off (ERROR), vLLM is not stopped, and
+    a load planned for it is reported failed, so vLLM recomputes the request."""
+    from lmcache_remote.integrations.vllm_core import RequestPlan, load_settings, slot_mapping
+    from lmcache_remote.integrations.vllm_core.worker_groups import GroupedWorker
+
+    group = mamba(0)
+    worker = GroupedWorker(load_settings({"remote_url": None}), "m", 1, 0, [group], B)
+    worker.register({name: torch.zeros(4, 128, 140, dtype=torch.bfloat16)
+                     for name in group.layer_names}, lambda name, tensor: None)
+    assert worker.disabled and "state pages" in worker.disabled and not worker.registered
+    plan = RequestPlan("r", list(range(256)), slot_mapping([0, 2], B, 256), None,
+                       Span(128, 128, 256), None, async_load=True, group=0)
+    worker.begin_step([plan])
+    worker.start_load()
+    done, failed = worker.finished_loads()
+    assert done == failed == {"r"}
+    worker.close()

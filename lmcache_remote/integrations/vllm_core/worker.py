@@ -150,6 +150,14 @@ class WorkerSide:
                          connections=engine_connections(self.settings.config,
                                                         VLLM_WORKER_CALLERS))
 
+    def turn_off(self, reason: str, block_size: int) -> None:
+        """The caches cannot be read (before any `register`): this rank's connector is off
+        (ERROR once), every planned load is reported failed, nothing is stored."""
+        self.disabled = reason
+        self._block_size = block_size
+        logger.error("lmcache-remote connector OFF on rank %d: %s. Nothing is stored or "
+                     "loaded; inference goes on without the cache.", self.rank, reason)
+
     def rename_model(self, model_name: str) -> None:
         """Keys name `model_name` from now on (the scheduler moved to it: `reset_cache`)."""
         if model_name == self.model_name:

@@ -13,7 +13,10 @@ What differs from one `WorkerSide`:
   them in the step that planned it;
 - each group's engine gets its share of `max_local_cpu_size`, by its bytes per token;
 - a Mamba group's layers are read as bytes (`state_rows`), without a layout proof: a state is
-  copied as vLLM's kernels left it, into the same place of another engine's page.
+  copied as vLLM's kernels left it, into the same place of another engine's page;
+- a group whose caches cannot be read (state pages of another form, layers missing, a layout
+  the backend's op does not prove) turns the connector off on this rank (ERROR; its loads
+  reported failed, nothing stored), never vLLM's start.
 """
 
 from __future__ import annotations
@@ -95,12 +98,19 @@ class GroupedWorker:
         backend's cache-write op of a layer, to prove the group's layout with."""
         for group, side in zip(self.groups, self.sides, strict=True):
             caches = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
-            if not caches:
-                raise ValueError(f"no KV cache registered for group {group.index}'s layers")
+            if not caches:  # never a refusal to start: this rank goes off
+                side.turn_off(f"no KV cache registered for group {group.index}'s layers",
+                              group.block_size)
+                continue
             if group.kind == MAMBA:
-                side.register({name: state_rows(t, group) for name, t in caches.items()},
-                              use_mla=True, dtype=torch.uint8, block_size=group.block_size,
-                              opaque=True)
+                try:
+                    rows = {name: state_rows(t, group) for name, t in caches.items()}
+                except ValueError as exc:  # never a refusal to start: this rank goes off
+                    side.turn_off(f"group {group.index}'s state pages: {exc}",
+                                  group.block_size)
+                    continue
+                side.register(rows, use_mla=True, dtype=torch.uint8,
+                              block_size=group.block_size, opaque=True)
                 continue
             first = next(iter(caches))
             side.register(caches, use_mla=group.geometry.use_mla, dtype=group.geometry.dtype,
