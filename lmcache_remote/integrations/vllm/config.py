@@ -13,7 +13,8 @@ the checks the connector makes of it at start-up.
 - `model_namespace(settings, vllm_config)`: the model field of the keys (name and the weights'
   fingerprint).
 - `prefix_lookup(settings, geometry, model, world_size)`: the scheduler's lookup over every
-  rank's namespace.
+  rank's namespace; `group_lookup(config, groups, model, world_size)` the same over every
+  group's.
 - `check_version(version)`, `warn_on_fail_policy(transfer)`: WARNINGs for a vLLM outside
   `SUPPORTED_VLLM` and for vLLM's `fail` load-failure policy; neither stops the connector.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from lmcache_remote.config import CacheConfig
 from lmcache_remote.fingerprint import (
     FingerprintError,
     model_fingerprint,
@@ -44,16 +46,18 @@ from lmcache_remote.integrations.vllm_core.groups import (
     MAMBA,
     SWA,
     KVGroup,
+    group_namespace,
     model_chunk_size,
     plain,
 )
+from lmcache_remote.integrations.vllm_core.lookup import GroupLookup
 from lmcache_remote.serde import dtype_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SERVED_MAMBA_TYPES", "SERVED_SPECS", "SUPPORTED_VLLM", "check_version", "kv_groups",
-           "model_namespace", "prefix_lookup", "read_groups", "spec_geometry", "unserved_model",
-           "warn_on_fail_policy"]
+__all__ = ["SERVED_MAMBA_TYPES", "SERVED_SPECS", "SUPPORTED_VLLM", "check_version",
+           "group_lookup", "kv_groups", "model_namespace", "prefix_lookup", "read_groups",
+           "spec_geometry", "unserved_model", "warn_on_fail_policy"]
 
 #: The vLLM releases (major.minor) the connector is tested inside.
 SUPPORTED_VLLM = ("0.32", "0.33")
@@ -73,40 +77,25 @@ SERVED_MAMBA_TYPES = ("GDN_ATTN",)
 
 
 def unserved_model(kv_cache_config: Any | None, chunk_size: int | None = None) -> str | None:
-    """Why this model's KV cache cannot be served by the connector, or None: a group of a kind
-    other than full attention, MLA, sliding window and Gated DeltaNet in vLLM's "align" mode
-    (a Mamba2 state, `mamba_cache_mode` none, chunked-local attention, ...), MLA beside other
-    kinds, or (with `chunk_size`) block sizes no chunk size can tile."""
+    """Why this model's KV cache cannot be served by the connector, or None: a group that
+    `read_groups` refuses (a kind other than full attention, MLA, sliding window and Gated
+    DeltaNet in vLLM's "align" mode: a Mamba2 state, `mamba_cache_mode` none, chunked-local
+    attention, ...; K and V head sizes that differ), MLA beside other kinds, or (with
+    `chunk_size`) block sizes no chunk size can tile."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    for group in groups:
-        spec = group.kv_cache_spec
-        kind = type(spec).__name__
-        what = f"a {kind} KV cache group over {len(group.layer_names)} layers"
-        if kind == "MambaSpec":
-            why = _unserved_state(spec)
-            if why:
-                return f"{what}: {why}"
-            continue
-        head_v = getattr(spec, "head_size_v", None)
-        if kind in SERVED_SPECS and not is_mla(spec) and head_v not in (None, spec.head_size):
-            return (f"{what}: K head size {spec.head_size} != V head size {head_v} (the "
-                    "chunks hold K and V of one size)")
-        if kind in SERVED_SPECS and not (kind == "SlidingWindowSpec" and is_mla(spec)):
-            continue
-        return (f"{what}: the connector loads and stores full-attention, MLA, sliding-window "
-                "and Gated DeltaNet groups only")
+    if not groups:
+        return None
+    try:
+        read = read_groups(groups, "auto")
+    except ValueError as exc:
+        return str(exc)
     if len(groups) > 1 and any(is_mla(g.kv_cache_spec) for g in groups):
         return "an MLA KV cache group beside other groups"
-    if chunk_size is not None and groups:
+    if chunk_size is not None and not plain(read):
         try:
-            read = read_groups(groups, "auto")
-        except ValueError:  # refused at start-up with its reason (spec_geometry, kv_groups)
-            return None
-        if not plain(read):
-            try:
-                model_chunk_size(read, chunk_size)
-            except ValueError as exc:
-                return str(exc)
+            model_chunk_size(read, chunk_size)
+        except ValueError as exc:
+            return str(exc)
     return None
 
 
@@ -138,24 +127,30 @@ def _state_geometry(spec: Any, num_layers: int) -> KVGeometry:
 def read_groups(groups: Any, cache_dtype: str) -> list[KVGroup]:
     """vLLM's KV cache groups (`KVCacheConfig.kv_cache_groups`) as the connector serves them:
     kind, layers, block size, geometry and window (a state: its bytes, as rows of one chunk);
-    `ValueError` for what it cannot serve."""
+    `ValueError` saying why for a group it cannot serve."""
     found = []
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
-        kind = SERVED_SPECS.get(type(spec).__name__)
-        if kind is None:
-            raise ValueError(f"KV cache group {index} is a {type(spec).__name__}")
+        name = type(spec).__name__
+        what = f"a {name} KV cache group over {len(group.layer_names)} layers"
+        kind = SERVED_SPECS.get(name)
+        if kind is None or (kind == SWA and is_mla(spec)):
+            raise ValueError(f"{what}: the connector loads and stores full-attention, MLA, "
+                             "sliding-window and Gated DeltaNet groups only")
         names = tuple(group.layer_names)
         if kind == MAMBA:
             why = _unserved_state(spec)
             if why:
-                raise ValueError(f"KV cache group {index}: {why}")
+                raise ValueError(f"{what}: {why}")
             found.append(KVGroup(index, kind, names, int(spec.block_size),
                                  _state_geometry(spec, len(names)),
                                  state_bytes=int(spec.state_content_size_bytes)))
             continue
-        found.append(KVGroup(index, kind, names, int(spec.block_size),
-                             _geometry(spec, len(names), cache_dtype),
+        try:
+            geometry = _geometry(spec, len(names), cache_dtype)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+        found.append(KVGroup(index, kind, names, int(spec.block_size), geometry,
                              window=int(getattr(spec, "sliding_window", 0) or 0)
                              if kind == SWA else 0,
                              extra_retained=int(getattr(spec, "extra_retained_tokens", 0) or 0)
@@ -176,8 +171,8 @@ def _geometry(spec: Any, num_layers: int, cache_dtype: str) -> KVGeometry:
     use_mla = is_mla(spec)
     head_v = getattr(spec, "head_size_v", None)
     if not use_mla and head_v not in (None, spec.head_size):
-        raise ValueError(f"K head size {spec.head_size} != V head size {head_v}: not "
-                         "supported by LmcrConnector")
+        raise ValueError(f"K head size {spec.head_size} != V head size {head_v} (the chunks "
+                         "hold K and V of one size)")
     heads = 1 if use_mla else int(spec.num_kv_heads)
     return KVGeometry(num_layers, heads, int(spec.head_size),
                       cache_torch_dtype(cache_dtype, spec.dtype), use_mla)
@@ -278,6 +273,16 @@ def prefix_lookup(settings: ConnectorSettings, geometry: KVGeometry | None, mode
         namespaces = [geometry.metadata(model, world_size, rank).namespace
                       for rank in range(world_size)]
     return PrefixLookup(config, geometry.metadata(model, world_size, 0).layout, namespaces)
+
+
+def group_lookup(config: CacheConfig, groups: list[KVGroup], model: str,
+                 world_size: int) -> GroupLookup:
+    """The scheduler's lookup of a model that is not plain (`vllm_core.groups`): every group's
+    namespace on every rank, as the workers name their chunks."""
+    metas = [[g.geometry.metadata(group_namespace(model, g, groups), world_size, rank)
+              for rank in range(world_size)] for g in groups]
+    return GroupLookup(config, groups, [ranks[0].layout for ranks in metas],
+                       [[m.namespace for m in ranks] for ranks in metas])
 
 
 def check_version(version: str) -> None:

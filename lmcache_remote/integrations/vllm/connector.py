@@ -80,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from lmcache_remote.integrations.vllm.caches import cache_writer, caches_from_forward_context
 from lmcache_remote.integrations.vllm.config import (
     check_version,
+    group_lookup,
     kv_groups,
     model_namespace,
     prefix_lookup,
@@ -96,6 +97,7 @@ from lmcache_remote.integrations.vllm.metrics import LmcrConnectorStats, LmcrPro
 from lmcache_remote.integrations.vllm_core import (
     ROLES,
     CachedRequest,
+    ConnectorSettings,
     NewRequest,
     PrefixLookup,
     SchedulerSide,
@@ -104,13 +106,7 @@ from lmcache_remote.integrations.vllm_core import (
 )
 from lmcache_remote.integrations.vllm_core import stats as connector_stats
 from lmcache_remote.integrations.vllm_core.fleet import SchedulerPublisher
-from lmcache_remote.integrations.vllm_core.groups import (
-    KVGroup,
-    group_namespace,
-    model_chunk_size,
-    plain,
-)
-from lmcache_remote.integrations.vllm_core.lookup import GroupLookup
+from lmcache_remote.integrations.vllm_core.groups import KVGroup, model_chunk_size, plain
 from lmcache_remote.integrations.vllm_core.worker_groups import GroupedWorker
 
 logger = logging.getLogger(__name__)
@@ -154,38 +150,39 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         world_size = int(getattr(parallel, "world_size", 1) or 1)
         groups = kv_groups(vllm_config, kv_cache_config)
-        if groups is not None and not plain(groups):
-            self._geometry = None
-            self._start_grouped(role, groups, model, world_size, can_load, can_save)
-            return
-        self._geometry = spec_geometry(vllm_config, kv_cache_config)
+        grouped = groups if groups is not None and not plain(groups) else None
+        settings = self._settings if grouped is None else self._grouped_settings(grouped)
+        config = settings.config
+        self._geometry = None if grouped else spec_geometry(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             warn_on_fail_policy(transfer)
-            self._lookup = prefix_lookup(self._settings, self._geometry, model, world_size)
-            config = self._settings.config
+            self._lookup = (group_lookup(config, grouped, model, world_size) if grouped
+                            else prefix_lookup(settings, self._geometry, model, world_size))
             self._scheduler = SchedulerSide(
-                self._lookup, self._settings.config.chunk_size,
-                int(vllm_config.cache_config.block_size),
-                save_unfull_chunk=self._settings.config.save_unfull_chunk,
+                self._lookup, config.chunk_size, int(vllm_config.cache_config.block_size),
+                save_unfull_chunk=config.save_unfull_chunk,
                 can_load=can_load, can_save=can_save,
-                async_load_min_tokens=self._settings.async_load_min_tokens,
-                async_save=self._settings.async_save,
-                lookup_wait_s=(None if self._settings.lookup_wait_ms is None
-                               else self._settings.lookup_wait_ms / 1000),
-            )
-            self._publish_stats(config, world_size)
+                async_load_min_tokens=settings.async_load_min_tokens,
+                async_save=settings.async_save, lookup_wait_s=settings.lookup_wait_s,
+                groups=grouped)
+            if config.stats_publish_interval is not None and self._lookup.remote is not None:
+                self._fleet = SchedulerPublisher(
+                    config, self._lookup.remote, [self._scheduler.metrics, self._lookup.metrics],
+                    lambda: self._namespace, world_size)
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
-            self._worker = WorkerSide(self._settings, model, world_size, rank, can_save=can_save)
+            self._worker = (
+                GroupedWorker(settings, model, world_size, rank, grouped, config.chunk_size,
+                              can_save=can_save) if grouped
+                else WorkerSide(settings, model, world_size, rank, can_save=can_save))
 
-    def _start_grouped(self, role: KVConnectorRole, groups: list[KVGroup], model: str,
-                       world_size: int, can_load: bool, can_save: bool) -> None:
-        """A model of several KV cache groups, or of a sliding-window one
-        (`vllm_core.groups`): chunks named per group, one chunk size for all, every load in
-        the background, stores within the step."""
+    def _grouped_settings(self, groups: list[KVGroup]) -> ConnectorSettings:
+        """The settings of a model that is not plain (`vllm_core.groups`): one chunk size for
+        all groups, whole chunks only, no `async_save` (vLLM frees sliding-window blocks while
+        a request runs: stores copy within the step); every load runs in the background
+        (`SchedulerSide` with groups). Logged at INFO with the groups."""
         settings = self._settings
         chunk = model_chunk_size(groups, settings.config.chunk_size)
-        config = dataclasses.replace(settings.config, chunk_size=chunk)
         described = ", ".join(
             f"{g.kind}{g.window if g.window else ''} x{len(g.layer_names)} layers "
             f"(block {g.block_size}, {g.tag})" for g in groups)
@@ -197,32 +194,8 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("lmcache-remote: async_save is ignored for this model: vLLM frees "
                            "sliding-window blocks while a request runs, so stores copy within "
                            "the step")
-        parallel = self._vllm_config.parallel_config
-        if role == KVConnectorRole.SCHEDULER:
-            warn_on_fail_policy(self._vllm_config.kv_transfer_config)
-            metas = [[g.geometry.metadata(group_namespace(model, g, groups), world_size, rank)
-                      for rank in range(world_size)] for g in groups]
-            self._lookup = GroupLookup(config, groups, [m[0].layout for m in metas],
-                                       [[m.namespace for m in ranks] for ranks in metas])
-            self._scheduler = SchedulerSide(
-                self._lookup, chunk, int(self._vllm_config.cache_config.block_size),
-                can_load=can_load, can_save=can_save, groups=groups,
-                lookup_wait_s=(None if settings.lookup_wait_ms is None
-                               else settings.lookup_wait_ms / 1000))
-            self._publish_stats(config, world_size)
-        else:
-            rank = int(getattr(parallel, "rank", 0) or 0)
-            self._worker = GroupedWorker(dataclasses.replace(settings, config=config), model,
-                                         world_size, rank, groups, chunk, can_save=can_save)
-
-    def _publish_stats(self, config: Any, world_size: int) -> None:
-        """The scheduler's figures in the fleet stats (`stats_publish_interval`)."""
-        lookup, side = self._lookup, self._scheduler
-        if config.stats_publish_interval is not None and lookup is not None \
-                and lookup.remote is not None and side is not None:
-            self._fleet = SchedulerPublisher(config, lookup.remote,
-                                             [side.metrics, lookup.metrics],
-                                             lambda: self._namespace, world_size)
+        return dataclasses.replace(settings, async_save=False, config=dataclasses.replace(
+            settings.config, chunk_size=chunk, save_unfull_chunk=False))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

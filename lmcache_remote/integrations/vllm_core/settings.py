@@ -60,6 +60,10 @@ class ConnectorSettings:
     later step. None: lookups run in the scheduler's thread (one round trip, bounded by
     `remote_timeout`)."""
 
+    @property
+    def lookup_wait_s(self) -> float | None:
+        return None if self.lookup_wait_ms is None else self.lookup_wait_ms / 1000
+
 
 def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     values = dict(extra or {})

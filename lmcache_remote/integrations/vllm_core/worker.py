@@ -229,7 +229,7 @@ class WorkerSide:
     def finished_loads(self) -> set[str]:
         """Requests whose background load is over (loaded, short or failed: vLLM must learn
         of each once); their missing blocks join `take_load_errors` in the same step."""
-        done = self._background.finished_loads()
+        done = self.finished_load_misses()
         for missed in done.values():
             self._errors |= missed
         return set(done)

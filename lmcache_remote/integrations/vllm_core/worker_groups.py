@@ -61,8 +61,7 @@ class GroupedWorker:
                  rank: int, groups: Sequence[KVGroup], chunk_size: int, *,
                  can_save: bool = True) -> None:
         self.groups = list(groups)
-        weights = [g.geometry.num_layers * g.geometry.num_kv_heads * g.geometry.head_size
-                   * (1 if g.geometry.use_mla else 2) * g.geometry.dtype.itemsize
+        weights = [g.geometry.metadata(model_name, world_size, rank).layout.nbytes(chunk_size)
                    for g in self.groups]
         total = sum(weights) or 1
         config = settings.config
