@@ -25,6 +25,10 @@ Who calls what, and what each call promises:
   step (generators), so that a layer's copy overlaps the engine's compute of the next layer;
   they read and write exactly the chunks (keys and bytes) of the whole-request calls.
   The step protocol is in their docstrings.
+- Each of these calls also takes `identity=` (`lmcache_remote.identity.RequestIdentity`): a
+  request whose KV depends on more than its tokens (a LoRA adapter, multimodal items, prompt
+  embeddings; its salt too) is named by it (docs/key-schema.md). `cache_salt=` alone is
+  `identity=RequestIdentity(cache_salt=...)`.
 - `flush()`: wait (bounded) until queued Redis writes landed or were dropped.
 - `freeze(True)`: no stores (each `store` returns 0) while reads go on; `freeze(False)` ends it.
 - `stats()`: counters and gauges as plain dicts.
@@ -72,6 +76,7 @@ from lmcache_remote.errors import (
     BackendUnavailableError,
 )
 from lmcache_remote.hashing import ChunkSpec, TokenDatabase, tokens_to_array
+from lmcache_remote.identity import RequestIdentity, resolve
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.promises import PromiseLedger
 from lmcache_remote.reporting import EngineReporter
@@ -148,9 +153,10 @@ class CacheEngine:
         """While frozen, `store` stores nothing (returns 0); reads are served as usual."""
         self._frozen = enabled
 
-    def lookup(self, tokens: Any, *, cache_salt: str | None = None) -> int:
+    def lookup(self, tokens: Any, *, cache_salt: str | None = None,
+               identity: RequestIdentity | None = None) -> int:
         start = time.perf_counter()
-        specs = self.token_db.prefix_keys(tokens, cache_salt)
+        specs = self.token_db.prefix_keys(tokens, resolve(cache_salt, identity))
         hits = self.storage.leading_chunks(specs)
         hit_tokens = specs[hits - 1].end if hits else 0
         if hits:
@@ -162,10 +168,11 @@ class CacheEngine:
         return hit_tokens
 
     def store(
-        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None
+        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
+        identity: RequestIdentity | None = None,
     ) -> int:
         start = time.perf_counter()
-        specs = self.token_db.chunks(tokens, mask, cache_salt, for_store=True)
+        specs = self.token_db.chunks(tokens, mask, resolve(cache_salt, identity), for_store=True)
         self.metrics.inc("engine.store_requests")
         if not specs:
             return 0
@@ -179,11 +186,12 @@ class CacheEngine:
         return accepted
 
     def retrieve(
-        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None
+        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
+        identity: RequestIdentity | None = None,
     ) -> torch.Tensor:
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
-        specs = self.token_db.chunks(arr, mask, cache_salt, for_store=False)
+        specs = self.token_db.chunks(arr, mask, resolve(cache_salt, identity), for_store=False)
         ret = torch.zeros(len(arr), dtype=torch.bool)
         self.metrics.inc("engine.retrieve_requests")
         if not specs:
@@ -206,7 +214,8 @@ class CacheEngine:
         return ret
 
     def store_layer(
-        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None
+        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
+        identity: RequestIdentity | None = None,
     ) -> Generator[int | None, None, None]:
         """`store`, one layer per step: a generator the caller advances with `next()`.
 
@@ -228,7 +237,7 @@ class CacheEngine:
         no-op and the last yields 0.
         """
         start = time.perf_counter()
-        specs = self.token_db.chunks(tokens, mask, cache_salt, for_store=True)
+        specs = self.token_db.chunks(tokens, mask, resolve(cache_salt, identity), for_store=True)
         self.metrics.inc("engine.store_requests")
         if self._skips_store(specs):
             return self._idle_layers(0)
@@ -236,7 +245,8 @@ class CacheEngine:
         return self._store_layers(specs, kv, start)
 
     def retrieve_layer(
-        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None
+        self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
+        identity: RequestIdentity | None = None,
     ) -> Generator[torch.Tensor, None, None]:
         """`retrieve`, one layer per step: a generator the caller advances with `next()`.
 
@@ -257,7 +267,7 @@ class CacheEngine:
         """
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
-        specs = self.token_db.chunks(arr, mask, cache_salt, for_store=False)
+        specs = self.token_db.chunks(arr, mask, resolve(cache_salt, identity), for_store=False)
         self.metrics.inc("engine.retrieve_requests")
         if specs:
             self._check_view(kv)

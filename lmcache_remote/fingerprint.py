@@ -29,14 +29,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FINGERPRINT_VERSION", "FingerprintError", "model_fingerprint", "model_folder",
-           "model_name_of", "namespace", "resolve_fingerprint"]
+__all__ = ["ADAPTER_FINGERPRINT_VERSION", "FINGERPRINT_VERSION", "FingerprintError",
+           "PROCESSOR_FILES", "adapter_fingerprint", "adapter_signature", "model_fingerprint",
+           "model_folder", "model_name_of", "namespace", "resolve_fingerprint"]
 
 FINGERPRINT_VERSION = "f1"
 #: Config keys that do not change the KV: where the folder was, which library wrote it.
 _CONFIG_IGNORED = ("_name_or_path", "transformers_version")
 #: Weight files, in the order they are looked for: the first pattern with files is used.
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+#: A multimodal processor's settings: they decide what reaches the vision encoder.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
+ADAPTER_FINGERPRINT_VERSION = "a1"
+#: Adapter config keys that do not change the KV: where the base model was.
+_ADAPTER_CONFIG_IGNORED = ("base_model_name_or_path", "revision")
+_ADAPTER_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 _TENSOR_SAMPLE = 64
 _FILE_SAMPLE, _FILE_SAMPLES = 4096, 16
 #: safetensors caps its header at 100 MB; a bigger length is not a safetensors file.
@@ -97,6 +105,7 @@ def model_fingerprint(
     quantization: str | None = None,
     overrides: Mapping[str, Any] | None = None,
     kv_scales: Sequence[float] | None = None,
+    processor_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The fingerprint of the model in `folder` (docs/key-schema.md, "Model fingerprint").
 
@@ -104,7 +113,10 @@ def model_fingerprint(
     `quantization`: the method the engine applies when it loads the weights (vLLM's
     `--quantization`; None: none, or the config's own `quantization_config`, which the config
     part covers); `overrides`: config fields the engine overrides (vLLM's `hf_overrides`);
-    `kv_scales`: the KV cache's scales where they are not 1 (fp8 caches)."""
+    `kv_scales`: the KV cache's scales where they are not 1 (fp8 caches);
+    `processor_kwargs`: the engine's multimodal processor settings (vLLM's
+    `mm_processor_kwargs`). A folder with a multimodal processor's files (`PROCESSOR_FILES`)
+    adds them, and those settings, as the last fields: they decide what the encoder sees."""
     root = Path(folder)
     digest = hashlib.blake2b(digest_size=8, person=b"lmcr-model-fp1")
     _field(digest, "config", _config_bytes(root, overrides))
@@ -116,7 +128,80 @@ def model_fingerprint(
     _field(digest, "kv_dtype", kv_dtype.encode())
     scales = list(kv_scales or [])
     _field(digest, "kv_scales", b"".join(struct.pack("<d", float(s)) for s in scales))
+    processor = [name for name in PROCESSOR_FILES if (root / name).is_file()]
+    for name in processor:
+        _field(digest, "processor_file", name.encode())
+        _field(digest, "processor", _canonical_json(root / name, ()))
+    if processor or processor_kwargs:
+        _field(digest, "processor_kwargs", _dumps(dict(processor_kwargs or {})))
     return f"{FINGERPRINT_VERSION}-{digest.hexdigest()}"
+
+
+def adapter_fingerprint(folder: str | os.PathLike[str]) -> str:
+    """The fingerprint of the LoRA adapter in `folder` (docs/key-schema.md, "Adapter
+    fingerprint"): `a1-` and 32 hex digits over its `adapter_config.json` (canonical JSON,
+    `base_model_name_or_path` and `revision` left out) and every weight file, read whole
+    (adapters are small), so an adapter replaced under the same name and path gets another
+    fingerprint. Never its name, path or vLLM's int id."""
+    root = Path(folder)
+    digest = hashlib.blake2b(digest_size=16, person=b"lmcr-adapter-fp1")
+    _field(digest, "config", _canonical_json(root / "adapter_config.json",
+                                             _ADAPTER_CONFIG_IGNORED))
+    files = _adapter_files(root)
+    for path in files:
+        _field(digest, "file", path.relative_to(root).as_posix().encode())
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            label = b"weights"
+            digest.update(struct.pack("<Q", len(label)) + label + struct.pack("<Q", size))
+            read = 0
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+                read += len(chunk)
+            if read != size:
+                raise FingerprintError(f"{path} changed while it was read")
+    return f"{ADAPTER_FINGERPRINT_VERSION}-{digest.hexdigest()}"
+
+
+def adapter_signature(folder: str | os.PathLike[str]) -> tuple[tuple[str, int, int, int], ...]:
+    """What the files of an adapter folder look like now (name, size, mtime, inode of each):
+    a cheap check (a few `stat` calls) that they are the files last fingerprinted."""
+    root = Path(folder)
+    out = []
+    for path in [root / "adapter_config.json", *_adapter_files(root)]:
+        st = path.stat()
+        out.append((path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def _adapter_files(root: Path) -> list[Path]:
+    if not (root / "adapter_config.json").is_file():
+        raise FingerprintError(f"{root} has no adapter_config.json: not a LoRA adapter folder")
+    found = sorted({p for pattern in _ADAPTER_WEIGHTS for p in root.rglob(pattern)
+                    if p.is_file()}, key=lambda p: p.relative_to(root).as_posix())
+    if not found:
+        raise FingerprintError(f"{root} holds no adapter weights "
+                               f"({', '.join(_ADAPTER_WEIGHTS)})")
+    return found
+
+
+def _canonical_json(path: Path, ignored: Sequence[str]) -> bytes:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise FingerprintError(f"cannot read {path}: {exc}") from exc
+    if isinstance(data, dict):
+        for key in ignored:
+            data.pop(key, None)
+    return _dumps(data)
+
+
+def _dumps(data: Any) -> bytes:
+    try:
+        return json.dumps(data, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=True).encode()
+    except (TypeError, ValueError) as exc:
+        raise FingerprintError(f"not plain JSON values: {exc}") from exc
 
 
 def _field(digest: Any, name: str, data: bytes) -> None:

@@ -8,6 +8,10 @@ The hash is fixed by DESIGN.md so that other implementations compute the same ke
   `prev = blake2b(prev + chunk_tokens_as_uint32_le, digest_size=16).digest()`;
 - that `prev` is the chunk's hash; its key carries it as 32 lowercase hex digits.
 
+A request whose KV depends on more than its tokens (an adapter, multimodal items, prompt
+embeddings) passes a `RequestIdentity` instead of the salt: its seed starts the chain, and a
+chunk with extras is hashed as `identity` specifies (text chunks exactly as above).
+
 Hashing works on one numpy view of the tokens: one BLAKE2b call per chunk, no per-token Python
 work, so a 128k-token prompt hashes in about a millisecond.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,10 +29,18 @@ import numpy as np
 import torch
 
 from lmcache_remote.errors import KeyFormatError
+from lmcache_remote.identity import (
+    EXTRAS_PERSON,
+    HASH_BYTES,
+    RequestIdentity,
+    as_identity,
+    salt_seed,
+)
 from lmcache_remote.keys import CacheEngineKey
 
-HASH_BYTES = 16
-_ZERO = bytes(HASH_BYTES)
+__all__ = ["HASH_BYTES", "ChunkSpec", "KeyNamespace", "TokenDatabase", "chunk_hashes",
+           "salt_seed", "skip_prefix", "tokens_to_array"]
+
 _U32_MAX = 2**32 - 1
 
 TokenInput = torch.Tensor | np.ndarray | Sequence[int]
@@ -63,28 +76,46 @@ def tokens_to_array(tokens: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
-def salt_seed(cache_salt: str | None) -> bytes:
-    """The chain's starting `prev`: zeros, or the BLAKE2b-128 of the salt's UTF-8 bytes."""
-    if cache_salt is None:
-        return _ZERO
-    if not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-    return hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=HASH_BYTES).digest()
-
-
 def chunk_hashes(
-    tokens: np.ndarray, chunk_size: int, cache_salt: str | None = None, *, partial: bool = True
+    tokens: np.ndarray, chunk_size: int, cache_salt: str | RequestIdentity | None = None, *,
+    partial: bool = True,
 ) -> list[bytes]:
-    """The chained hash of every chunk of `tokens` (uint32 LE); the last partial one if asked."""
+    """The chained hash of every chunk of `tokens` (uint32 LE); the last partial one if asked.
+    `cache_salt` is the salt, or the request's whole `RequestIdentity`."""
     view = memoryview(tokens).cast("B")  # type: ignore[arg-type]
     step = chunk_size * 4
     end = len(view) if partial else len(view) - len(view) % step
-    prev = salt_seed(cache_salt)
+    identity = as_identity(cache_salt)
+    prev = salt_seed(None) if identity is None else identity.seed()
     out: list[bytes] = []
     blake = hashlib.blake2b
+    if identity is not None and not identity.plain:
+        return _hashes_with_extras(view, chunk_size, end, prev, identity)
     for offset in range(0, end, step):
         h = blake(prev, digest_size=HASH_BYTES)
         h.update(view[offset:offset + step])
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def _hashes_with_extras(view: memoryview, chunk_size: int, end: int, prev: bytes,
+                        identity: RequestIdentity) -> list[bytes]:
+    """`chunk_hashes` of a request some of whose chunks have extras (`identity` module)."""
+    out: list[bytes] = []
+    step = chunk_size * 4
+    for offset in range(0, end, step):
+        data = view[offset:offset + step]
+        start = offset // 4
+        extras = identity.extras(start, start + len(data) // 4, chunk_size)
+        if extras:
+            h = hashlib.blake2b(prev, digest_size=HASH_BYTES, person=EXTRAS_PERSON)
+            h.update(struct.pack("<Q", len(data) // 4))
+            h.update(data)
+            h.update(extras)
+        else:
+            h = hashlib.blake2b(prev, digest_size=HASH_BYTES)
+            h.update(data)
         prev = h.digest()
         out.append(prev)
     return out
@@ -154,7 +185,7 @@ class TokenDatabase:
         self,
         tokens: Any,
         mask: Any = None,
-        cache_salt: str | None = None,
+        cache_salt: str | RequestIdentity | None = None,
         *,
         for_store: bool = False,
     ) -> list[ChunkSpec]:
@@ -176,6 +207,7 @@ class TokenDatabase:
                 specs.append(ChunkSpec(start, end, self.namespace.key(digest)))
         return specs
 
-    def prefix_keys(self, tokens: Any, cache_salt: str | None = None) -> list[ChunkSpec]:
+    def prefix_keys(self, tokens: Any,
+                    cache_salt: str | RequestIdentity | None = None) -> list[ChunkSpec]:
         """Every chunk of `tokens` from the start (lookup has no mask)."""
         return self.chunks(tokens, None, cache_salt, for_store=False)
