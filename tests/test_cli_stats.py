@@ -217,8 +217,8 @@ def test_stats_shows_where_a_vllm_fleets_prompt_tokens_came_from(
                                    lambda: "org/served", 1)
     prompt = [*tokens(n), *tokens(100, 7)]
     assert side.num_new_matched_tokens("r1", prompt, 256) == n - 256  # vLLM held a chunk
-    side.after_alloc("r1", n - 256, None, list(range(70)), len(prompt))
-    side.after_alloc("r1", n - 256, None, list(range(70)), len(prompt))  # counted once
+    side.after_alloc("r1", n - 256, list(range(70)), len(prompt))
+    side.after_alloc("r1", n - 256, list(range(70)), len(prompt))  # counted once
     publisher.close()  # the last publish
     lookup.close()
     with engine(redis_url, key_prefix, meta, local_cpu=False) as worker:

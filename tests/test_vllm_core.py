@@ -19,6 +19,7 @@ from kvutil import chunk_heads, packed_writer
 
 from lmcache_remote import CacheConfig, CacheEngine, ConfigError, DenseKV
 from lmcache_remote.hashing import KeyNamespace, TokenDatabase
+from lmcache_remote.identity import RequestIdentity
 from lmcache_remote.integrations.vllm_core import (
     CachedRequest,
     KVGeometry,
@@ -71,12 +72,13 @@ def test_a_failing_lookup_is_a_miss() -> None:
 def test_plans_over_a_request_life() -> None:
     s = side(512)
     prompt = list(range(1000))
-    assert s.num_new_matched_tokens("r", prompt, 16, cache_salt="t") == 496
-    s.after_alloc("r", 496, cache_salt="t")
+    named = RequestIdentity(cache_salt="t")
+    assert s.num_new_matched_tokens("r", prompt, 16, named) == 496
+    s.after_alloc("r", 496)
     (plan,) = s.build([NewRequest("r", prompt, blocks(1000), 512)], [], {"r": 300})
     assert plan.load == Span(0, 16, 512)
     assert plan.save == Span(512, 512, 768)  # the chunk completed by this step only
-    assert plan.cache_salt == "t" and plan.token_ids == prompt[:768]
+    assert plan.identity == named and plan.token_ids == prompt[:768]
     assert plan.slot_mapping.tolist() == slot_mapping(blocks(1000), B, 768).tolist()
     # the prompt's rest: no new full chunk (1000 // 256 * 256 == 768), nothing to do
     assert s.build([], [CachedRequest("r", None, False, 812)], {"r": 188}) == []

@@ -166,7 +166,7 @@ def test_a_hybrid_hit_loads_in_the_background_and_only_the_window_of_swa_groups(
     null = 0
     swa_blocks = [null] * 10 + [11, 12, 13]  # what vLLM allocates: nulls below the window
     full_blocks = list(range(20, 33))
-    side.after_alloc("r", 1536, None, (swa_blocks, full_blocks), len(prompt))
+    side.after_alloc("r", 1536, (swa_blocks, full_blocks), len(prompt))
     plans = side.build([], [], {})
     assert [(p.group, p.load, p.async_load) for p in plans] == [
         (0, Span(1280, 1280, 1536), True), (1, Span(0, 0, 1536), True)]
@@ -210,7 +210,7 @@ def test_a_state_is_loaded_into_its_block_and_stored_only_where_a_step_ended() -
     prompt = list(range(1600))
     assert side.num_new_matched_tokens("r", prompt, 0) == 1536
     state_blocks = [0] * 11 + [27, 36]  # vLLM: the state at 1536 in block 27, then running
-    side.after_alloc("r", 1536, None, (state_blocks, list(range(40, 53))), len(prompt))
+    side.after_alloc("r", 1536, (state_blocks, list(range(40, 53))), len(prompt))
     plans = side.build([], [], {})
     assert [(p.group, p.load) for p in plans] == [(0, Span(1408, 1408, 1536)),
                                                   (1, Span(0, 0, 1536))]

@@ -27,7 +27,7 @@ SUMMED = (
     "remote_incomplete_chunks", "remote_corrupt_chunks", "remote_foreign_chunks",
     "remote_unauthenticated_chunks", "duplicate_writes_skipped", "local_hit_tokens",
     "remote_hit_tokens", "prompt_tokens", "device_cached_tokens", "promised_tokens",
-    "scheduler_lookup_requests", "scheduler_lookup_errors",
+    "scheduler_lookup_requests", "scheduler_lookup_errors", "unnamed_requests",
 )  # fmt: skip
 #: Per model: counters of the workers, divided by their world size (tokens of a request).
 _PER_REQUEST = ("local_hit_tokens", "remote_hit_tokens", "retrieved_tokens",

@@ -384,11 +384,13 @@ class Instance:
     # -- requests ---------------------------------------------------------------------------
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 1,
-            cache_salt: str | None = None) -> Request:
+            cache_salt: str | None = None, **more: Any) -> Request:
+        """A request vLLM schedules from the next step; `more`: vLLM `Request` arguments
+        (`lora_request`, `prompt_embeds`, ...)."""
         request = Request(req_id, list(prompt),
                           SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                          temperature=0.0), None, cache_salt=cache_salt,
-                          block_hasher=self.block_hasher)
+                          block_hasher=self.block_hasher, **more)
         self.scheduler.add_request(request)
         return request
 

@@ -13,6 +13,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -612,24 +613,62 @@ def test_layerwise_asks_vllm_for_piecewise_cuda_graphs(engines: Engines) -> None
     assert LmcrConnector.requires_piecewise_for_cudagraph({}) is True  # the default
 
 
-def test_requests_not_named_by_their_tokens_pass_through(engines: Engines) -> None:
+def write_adapter(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def test_requests_named_by_more_than_their_tokens(engines: Engines, tmp_path: Path) -> None:
+    """Through vLLM's scheduler: a LoRA request's chunks are stored and found under its
+    adapter's fingerprint (scheduler and worker derive the same keys), never the base model's
+    or another adapter's; an adapter whose files change under the engine passes its requests
+    through until a request reloads it (`load_inplace`), then is named anew; prompt
+    embeddings are named by their rows. What this rig cannot show (its forward is a stand-in
+    that ignores adapters and embeddings): that the KV itself differs; tests/vllm_cpu does."""
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
     tokens = prompt(600, seed=20)
     engine = engines(store_async=False)
-    prefill(engine, "plain", tokens)
     sched = engine.scheduler_connector
-    lora = Request("lora", tokens, SamplingParams(max_tokens=1), None,
-                   lora_request=LoRARequest("adapter", 1, "/nonexistent"))
-    embeds = Request("embeds", None, SamplingParams(max_tokens=1), None,
-                     prompt_embeds=torch.zeros(600, 64))
-    plain = Request("again", tokens, SamplingParams(max_tokens=1), None)
-    assert sched.get_num_new_matched_tokens(plain, 0) == (2 * CHUNK, False)
-    assert sched.get_num_new_matched_tokens(lora, 0) == (0, False)  # other weights, other KV
-    assert sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
+    side = sched._scheduler_side()
 
+    def ask(req_id: str, ids: list[int] | None = tokens, **more: object) -> object:
+        return sched.get_num_new_matched_tokens(
+            Request(req_id, ids, SamplingParams(max_tokens=1), None, **more), 0)
+
+    path = write_adapter(tmp_path / "a", b"adapter one")
+    lora = LoRARequest("a", 1, str(path))
+    engine.add("lora", tokens, max_tokens=2, lora_request=lora)
+    engine.run(["lora"])
+    assert ask("base") == (0, False)  # the adapter's chunks are not the base model's
+    before = retrieved(engine)
+    engine.add("lora-again", tokens, max_tokens=2, lora_request=lora)
+    engine.run(["lora-again"])
+    assert retrieved(engine) - before == 2 * CHUNK  # the worker read what the scheduler found
+    assert ask("same-files-other-id", lora_request=LoRARequest("z", 7, str(path))) == (
+        2 * CHUNK, False)  # named by its files, not its name or int id
+    other = LoRARequest("b", 2, str(write_adapter(tmp_path / "b", b"adapter two")))
+    assert ask("other", lora_request=other) == (0, False)
+
+    (path / "adapter_model.safetensors").write_bytes(b"adapter three")  # replaced in place
+    unnamed = side.metrics.get("vllm.unnamed_requests")
+    assert ask("stale", lora_request=lora) == (0, False)
+    assert side.metrics.get("vllm.unnamed_requests") == unnamed + 1  # passed through
+    reload = LoRARequest("a", 1, str(path), load_inplace=True)
+    assert ask("reloaded", lora_request=reload) == (0, False)  # named anew: nothing stored
+    assert side.metrics.get("vllm.unnamed_requests") == unnamed + 1
+    assert ask("missing", lora_request=LoRARequest("m", 3, str(tmp_path / "none"))) == (0, False)
+    assert side.metrics.get("vllm.unnamed_requests") == unnamed + 2
+
+    prefill(engine, "plain", tokens)
+    assert ask("again") == (2 * CHUNK, False)
+    embeds = torch.zeros(600, 64)
+    assert ask("embeds", None, prompt_embeds=embeds) == (0, False)  # not the zero ids' text
+    assert side.metrics.get("vllm.unnamed_requests") == unnamed + 2
 
 def test_a_model_it_cannot_serve_passes_through(engines: Engines,
                                                 caplog: pytest.LogCaptureFixture) -> None:
@@ -926,3 +965,51 @@ def test_a_vllm_outside_the_tested_releases_warns(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING):
         adapter.check_version("0.34.0")
     assert "outside the releases" in caplog.text
+
+
+def test_images_are_named_by_content_by_default(engines: Engines) -> None:
+    """vLLM's own multimodal objects through the scheduler-side connector: by default an image
+    is named by its processed inputs (a client's uuid, which vLLM takes as the identifier,
+    changes nothing); with `mm_items: identifier` by vLLM's identifier; an item held in
+    shared memory passes its request through. What this cannot show (the rig's model is not
+    multimodal): the KV; tests/vllm_cpu/test_request_identity.py runs a LLaVA."""
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        MultiModalSharedField,
+        PlaceholderRange,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from lmcache_remote.integrations.vllm.requests import UnnamedRequest
+
+    def request(req_id: str, identifier: str, fill: float, field: str = "pixel_values"
+                ) -> Request:
+        data = MultiModalKwargsItem({field: MultiModalFieldElem(
+            data=torch.full((3, 4, 4), fill), field=MultiModalSharedField(batch_size=1))})
+        feature = MultiModalFeatureSpec(data=data, modality="image", identifier=identifier,
+                                        mm_position=PlaceholderRange(offset=300, length=16))
+        return Request(req_id, prompt(600, seed=23), SamplingParams(max_tokens=1), None,
+                       mm_features=[feature])
+
+    def names(engine: Instance, *reqs: Request) -> list[object]:
+        return [engine.scheduler_connector._names.name(r)[1] for r in reqs]
+
+    content = engines(store_async=False)
+    x, forged, same_pixels = names(content, request("x", "uuid-1", 1.0),
+                                   request("forged", "uuid-1", 2.0),
+                                   request("same", "uuid-2", 1.0))
+    assert x != forged and x == same_pixels
+    by_id = engines(store_async=False, mm_items="identifier")
+    x, forged, same_pixels = names(by_id, request("x", "uuid-1", 1.0),
+                                   request("forged", "uuid-1", 2.0),
+                                   request("same", "uuid-2", 1.0))
+    assert x == forged and x != same_pixels
+    with pytest.raises(UnnamedRequest, match="shared memory"):
+        names(content, request("shm", "uuid-3", 1.0, field="address"))
+    assert content.scheduler_connector.get_num_new_matched_tokens(
+        request("shm2", "uuid-3", 1.0, field="address"), 0) == (0, False)
+    with pytest.raises(ConfigError, match="mm_items"):
+        engines(mm_items="pixels")

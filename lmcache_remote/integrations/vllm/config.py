@@ -222,12 +222,20 @@ def model_namespace(settings: ConnectorSettings, vllm_config: Any) -> str:
         kv_dtype = cache_torch_dtype(cache_dtype, model_config.dtype)
         return model_fingerprint(folder, kv_dtype=dtype_name(kv_dtype),
                                  quantization=_load_time_quantization(model_config),
-                                 overrides=_plain_overrides(model_config))
+                                 overrides=_plain_overrides(model_config),
+                                 processor_kwargs=_processor_kwargs(model_config))
 
     space = namespace(name, resolve_fingerprint(settings.model_fingerprint, compute))
     logger.info("lmcache-remote: model namespace %s (model %s, model_fingerprint %s)",
                 space, source, settings.model_fingerprint)
     return space
+
+
+def _processor_kwargs(model_config: Any) -> dict[str, Any] | None:
+    """vLLM's `mm_processor_kwargs` (a multimodal model's processor overrides), or None."""
+    mm = getattr(model_config, "multimodal_config", None)
+    kwargs = getattr(mm, "mm_processor_kwargs", None) if mm is not None else None
+    return dict(kwargs) if kwargs else None
 
 
 def _load_time_quantization(model_config: Any) -> str | None:

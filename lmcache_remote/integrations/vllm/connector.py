@@ -48,6 +48,12 @@ as a failed request (`get_transfer_results`' `failed_recving`: vLLM cannot take 
 of such a model), stores within the step. `request_finished_all_groups` is
 `request_finished`.
 
+Requests whose token ids do not name their KV (images and other multimodal items, a LoRA
+adapter, prompt embeddings) are named by a `RequestIdentity` as well, built once per request in
+`get_num_new_matched_tokens` (`requests.RequestNames`) and sent to the workers in each plan:
+scheduler and workers hash the same keys. A request whose KV depends on something the keys
+cannot bind (`requests.UnnamedRequest`) is passed through: no lookup, no plan, no store.
+
 A model whose KV cache the connector cannot serve right (`config.unserved_model`: a Mamba2
 mixer's state, `mamba_cache_mode` none, any spec but full attention, MLA, sliding window and
 Gated DeltaNet) is passed through: a WARNING at start-up on each side, then every hook does
@@ -94,6 +100,7 @@ from lmcache_remote.integrations.vllm.messages import (
     LmcrWorkerMetadata,
 )
 from lmcache_remote.integrations.vllm.metrics import LmcrConnectorStats, LmcrPromMetrics
+from lmcache_remote.integrations.vllm.requests import RequestNames, UnnamedRequest
 from lmcache_remote.integrations.vllm_core import (
     ROLES,
     CachedRequest,
@@ -133,6 +140,7 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         self._fleet: SchedulerPublisher | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | GroupedWorker | None = None
+        self._names: RequestNames | None = None
         self._passthrough = unserved_model(kv_cache_config, self._settings.config.chunk_size)
         if self._passthrough is not None:
             logger.warning(
@@ -156,6 +164,7 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         self._geometry = None if grouped else spec_geometry(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             warn_on_fail_policy(transfer)
+            self._names = RequestNames(config.chunk_size, settings.mm_items)
             self._lookup = (group_lookup(config, grouped, model, world_size) if grouped
                             else prefix_lookup(settings, self._geometry, model, world_size))
             self._scheduler = SchedulerSide(
@@ -350,12 +359,17 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._passthrough is not None or not _cacheable(request):
+        if self._passthrough is not None:
             return 0, False
-        prompt = list(request.prompt_token_ids or [])
         side = self._scheduler_side()
+        assert self._names is not None
+        try:
+            prompt, identity = self._names.name(request)
+        except UnnamedRequest as exc:
+            side.unnamed(request.request_id, str(exc))
+            return 0, False
         n = side.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens,
-                                        getattr(request, "cache_salt", None))
+                                        identity)
         if n is None:
             return None, False  # the lookup is still running: vLLM asks again later
         return n, side.loads_async(n)
@@ -366,16 +380,20 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
             return
         get_ids = getattr(blocks, "get_block_ids", None)
         self._scheduler_side().after_alloc(request.request_id, num_external_tokens,
-                                           getattr(request, "cache_salt", None),
                                            get_ids() if get_ids else None,
-                                           len(request.prompt_token_ids or []))
+                                           int(getattr(request, "num_prompt_tokens", 0) or 0))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self._passthrough is not None:
             return LmcrConnectorMetadata([], set(), self._namespace)
-        new = [NewRequest(r.req_id, list(r.prompt_token_ids or []), r.block_ids or [],
-                          r.num_computed_tokens)
-               for r in scheduler_output.scheduled_new_reqs if _cacheable(r)]
+        side = self._scheduler_side()
+        assert self._names is not None
+        new = []
+        for r in scheduler_output.scheduled_new_reqs:
+            named = self._names.known(r.req_id)
+            if named is not None and side.knows(r.req_id):  # never a request not named
+                new.append(NewRequest(r.req_id, named[0], r.block_ids or [],
+                                      r.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", None) or ())
         again = [
@@ -385,7 +403,7 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         ]
         if self._fleet is not None:
             self._fleet.tick()
-        plans = self._scheduler_side().build(
+        plans = side.build(
             new, again, scheduler_output.num_scheduled_tokens,
             getattr(scheduler_output, "finished_req_ids", ()) or (),
         )
@@ -422,6 +440,8 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
                                                                            dict[str, Any] | None]:
         if self._passthrough is not None:
             return False, None
+        if self._names is not None:
+            self._names.forget(request.request_id)
         return self._scheduler_side().finish(request.request_id), None
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
@@ -459,12 +479,3 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("scheduler hook called on the worker-side connector")
         return self._scheduler
 
-
-def _cacheable(request: Any) -> bool:
-    """Whether token ids alone name the request's KV. Not so with images or other
-    multimodal inputs (their placeholder tokens are alike), prompt embeddings, or a LoRA
-    adapter (other weights, other KV): such requests are neither looked up nor stored."""
-    return (request.prompt_token_ids is not None
-            and not getattr(request, "mm_features", None)
-            and getattr(request, "prompt_embeds", None) is None
-            and getattr(request, "lora_request", None) is None)

@@ -30,6 +30,7 @@ SCHEDULER_COUNTERS = {
     "prompt_tokens": "vllm.prompt_tokens",
     "device_cached_tokens": "vllm.device_cached_tokens",
     "promised_tokens": "vllm.promised_tokens",
+    "unnamed_requests": "vllm.unnamed_requests",
     "scheduler_lookup_requests": "lookup.requests",
     "scheduler_lookup_errors": "lookup.remote_errors",
 }

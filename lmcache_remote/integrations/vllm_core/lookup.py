@@ -34,6 +34,7 @@ from lmcache_remote import startup
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError
 from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
+from lmcache_remote.identity import RequestIdentity
 from lmcache_remote.integrations.vllm_core.groups import KVGroup, group_namespace
 from lmcache_remote.memory import ChunkLayout
 from lmcache_remote.metrics import Metrics, RateLimitedLogger
@@ -87,20 +88,20 @@ class PrefixLookup:
         self._namespaces = [dataclasses.replace(ns, model_name=model_name)
                             for ns in self._namespaces]
 
-    def __call__(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+    def __call__(self, tokens: Sequence[int], identity: RequestIdentity | None = None) -> int:
         """Leading tokens whose chunks every namespace holds now (0 on any remote failure)."""
         start = time.perf_counter()
         try:
-            return self._lookup(tokens, cache_salt)
+            return self._lookup(tokens, identity)
         finally:
             self.metrics.observe("lookup.seconds", time.perf_counter() - start)
 
-    def _lookup(self, tokens: Sequence[int], cache_salt: str | None) -> int:
+    def _lookup(self, tokens: Sequence[int], identity: RequestIdentity | None) -> int:
         self.metrics.inc("lookup.requests")
         if self._remote is None:
             return 0
         arr = tokens_to_array(tokens)
-        hashes = chunk_hashes(arr, self.chunk_size, cache_salt, partial=True)
+        hashes = chunk_hashes(arr, self.chunk_size, identity, partial=True)
         if not hashes:
             return 0
         bounds = [(i * self.chunk_size, min((i + 1) * self.chunk_size, len(arr)))
@@ -171,7 +172,7 @@ class GroupLookup(PrefixLookup):
              for ns in spaces]
             for group, spaces in zip(self._groups, self._group_namespaces, strict=True)]
 
-    def _lookup(self, tokens: Sequence[int], cache_salt: str | None) -> int:
+    def _lookup(self, tokens: Sequence[int], identity: RequestIdentity | None) -> int:
         self.metrics.inc("lookup.requests")
         if self._remote is None:
             return 0
@@ -180,7 +181,7 @@ class GroupLookup(PrefixLookup):
         whole = (len(arr) - 1) // cs  # chunks a hit may cover: one token is left to compute
         if whole <= 0:
             return 0
-        hashes = chunk_hashes(arr[: whole * cs], cs, cache_salt, partial=False)
+        hashes = chunk_hashes(arr[: whole * cs], cs, identity, partial=False)
         specs = [[[ChunkSpec(i * cs, (i + 1) * cs, ns.key(digest))
                    for i, digest in enumerate(hashes)] for ns in spaces]
                  for spaces in self._group_namespaces]
@@ -235,16 +236,18 @@ class BackgroundLookup:
     `remote_timeout`. The next call after an answer starts a new lookup: hits are never
     served from a cache."""
 
-    def __init__(self, lookup: Callable[[Sequence[int], str | None], int], wait_s: float) -> None:
+    def __init__(self, lookup: Callable[[Sequence[int], RequestIdentity | None], int],
+                 wait_s: float) -> None:
         self._lookup = lookup
         self.wait_s = wait_s
         self._pending: dict[str, Future[int]] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmcr-vllm-lookup")
 
-    def __call__(self, req_id: str, tokens: Sequence[int], cache_salt: str | None) -> int | None:
+    def __call__(self, req_id: str, tokens: Sequence[int],
+                 identity: RequestIdentity | None) -> int | None:
         future = self._pending.get(req_id)
         if future is None:
-            future = self._executor.submit(self._lookup, list(tokens), cache_salt)
+            future = self._executor.submit(self._lookup, list(tokens), identity)
             self._pending[req_id] = future
         try:
             hits = future.result(timeout=self.wait_s)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lmcache_remote.identity import RequestIdentity
+
 
 @dataclasses.dataclass(frozen=True)
 class Span:
@@ -29,7 +31,9 @@ class RequestPlan:
     req_id: str
     token_ids: list[int]
     slot_mapping: torch.Tensor
-    cache_salt: str | None = None
+    identity: RequestIdentity | None = None
+    """What names the chunks beside the tokens (salt, adapter, multimodal items, embeddings):
+    the scheduler builds it, every worker hashes with it (`lmcache_remote.identity`)."""
     load: Span | None = None
     save: Span | None = None
     async_load: bool = False

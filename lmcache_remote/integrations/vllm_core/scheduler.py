@@ -2,13 +2,13 @@
 
 Scheduler side (`SchedulerSide`, one per vLLM engine, in the scheduler process):
 
-- `num_new_matched_tokens(req_id, prompt, num_computed, cache_salt)`: the prompt tokens past
+- `num_new_matched_tokens(req_id, prompt, num_computed, identity)`: the prompt tokens past
   `num_computed` (vLLM's own prefix cache) that the cache can load now: one `PrefixLookup`
   over every rank's key namespace in one Redis round trip (a token counts when every rank
   holds it), never the whole prompt (vLLM must compute
   at least one token to sample from: a hit on the whole prompt is cut to the last chunk
   boundary before its last token). May be called several times for one request.
-- `after_alloc(req_id, num_external, cache_salt)`: vLLM allocated blocks for the hit; the load
+- `after_alloc(req_id, num_external)`: vLLM allocated blocks for the hit; the load
   is now promised to the worker.
 - `build(new, cached, num_scheduled, finished)`: the step's `RequestPlan`s: per request the
   tokens, their slots, what to load (whole chunks from the last chunk boundary at or before
@@ -30,6 +30,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from lmcache_remote.identity import RequestIdentity
 from lmcache_remote.integrations.vllm_core.groups import MAMBA, KVGroup, plain
 from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
@@ -69,7 +70,7 @@ class CachedRequest:
 class _Tracker:
     prompt: list[int]
     block_ids: list[list[int]]  # per group
-    salt: str | None
+    identity: RequestIdentity | None
     stored_end: int = 0
 
 
@@ -92,10 +93,11 @@ class SchedulerSide:
     """Hit counting and per-step plans; see the module docstring. Not thread-safe (vLLM's
     scheduler calls it from one thread)."""
 
-    def __init__(self, lookup: Callable[[Sequence[int], str | None], int], chunk_size: int,
-                 block_size: int, *, save_unfull_chunk: bool = False, can_load: bool = True,
-                 can_save: bool = True, async_load_min_tokens: int | None = None,
-                 async_save: bool = False, lookup_wait_s: float | None = None,
+    def __init__(self, lookup: Callable[[Sequence[int], RequestIdentity | None], int],
+                 chunk_size: int, block_size: int, *, save_unfull_chunk: bool = False,
+                 can_load: bool = True, can_save: bool = True,
+                 async_load_min_tokens: int | None = None, async_save: bool = False,
+                 lookup_wait_s: float | None = None,
                  groups: Sequence[KVGroup] | None = None) -> None:
         self._lookup = lookup
         #: the KV cache groups of a model that is not plain (`groups.plain`): plans per group,
@@ -115,7 +117,9 @@ class SchedulerSide:
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (num_computed, loadable end)
         self._loads: dict[str, Span] = {}
         self._load_blocks: dict[str, list[list[int]]] = {}  # for loads run asynchronously
-        self._salts: dict[str, str | None] = {}
+        #: requests vLLM asked about, and what names their chunks beside the tokens
+        self._identities: dict[str, RequestIdentity | None] = {}
+        self._unnamed: set[str] = set()  # requests passed through (`unnamed`)
         self._prompts: dict[str, list[int]] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._counted: set[str] = set()  # requests whose prompt is in `metrics`
@@ -125,21 +129,22 @@ class SchedulerSide:
         self._log = RateLimitedLogger(logger)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
-                               cache_salt: str | None = None) -> int | None:
-        """The hit to claim; None (with `lookup_wait_s`) while the lookup is still running."""
-        self._salts[req_id] = cache_salt
+                               identity: RequestIdentity | None = None) -> int | None:
+        """The hit to claim; None (with `lookup_wait_s`) while the lookup is still running.
+        `identity`: what names the request's chunks beside its tokens (None: a text request)."""
+        self._identities[req_id] = identity
         if not self.can_load or len(prompt) < 2:
             return 0
         if self._failures.get(req_id, 0) >= MAX_LOAD_FAILURES:
             return 0  # its load failed the same way each time: vLLM computes it
         try:
             if self._background is not None:
-                found = self._background(req_id, prompt, cache_salt)
+                found = self._background(req_id, prompt, identity)
                 if found is None:
                     return None
                 hits = found
             else:
-                hits = self._lookup(prompt, cache_salt)
+                hits = self._lookup(prompt, identity)
         except Exception as exc:  # a lookup must never fail a request
             self._log.warning("lookup", "lookup failed, counted as a miss: %s", exc)
             return 0
@@ -177,14 +182,28 @@ class SchedulerSide:
                                   "times; no hit is promised for it again", req_id,
                                   MAX_LOAD_FAILURES)
 
-    def after_alloc(self, req_id: str, num_external: int, cache_salt: str | None = None,
-                    block_ids: BlockIds | None = None, prompt_tokens: int = 0) -> None:
+    def unnamed(self, req_id: str, reason: str) -> None:
+        """The request's KV depends on something its keys cannot bind: it is passed
+        through (never looked up, planned or stored), counted and logged (rate-limited)."""
+        self._identities.pop(req_id, None)
+        if req_id in self._unnamed:
+            return  # vLLM asks again while the request waits: counted once
+        self._unnamed.add(req_id)
+        self.metrics.inc("vllm.unnamed_requests")
+        self._log.warning("unnamed", "request %s passes through the cache: %s", req_id, reason)
+
+    def knows(self, req_id: str) -> bool:
+        """Whether vLLM asked about the request (`num_new_matched_tokens`): only such a
+        request's chunks can be named, so only such a request is planned."""
+        return req_id in self._identities
+
+    def after_alloc(self, req_id: str, num_external: int, block_ids: BlockIds | None = None,
+                    prompt_tokens: int = 0) -> None:
         """vLLM allocated blocks (`block_ids`: all of the request's) for `num_external` hit
         tokens. A load that vLLM runs asynchronously is planned from these blocks in the next
         `build` (the request is not scheduled until it has arrived). The first time for a
         request, its prompt is counted: its length, what vLLM's own prefix cache held, what
         this cache promised."""
-        self._salts[req_id] = cache_salt
         known = self._hits.get(req_id)
         if req_id not in self._counted:
             self._counted.add(req_id)
@@ -211,7 +230,7 @@ class SchedulerSide:
             blocks = per_group(req.block_ids, self._num_groups) or []
             if tracker is None:
                 tracker = _Tracker(list(req.prompt_token_ids), blocks,
-                                   self._salts.get(req.req_id))
+                                   self._identities.get(req.req_id))
                 tracker.stored_end = self._hits.get(req.req_id, (0, 0))[1]
                 self._trackers[req.req_id] = tracker
             else:
@@ -257,7 +276,7 @@ class SchedulerSide:
             self._hits.pop(req_id, None)
             if load is None or prompt is None:
                 continue
-            tracker = _Tracker(list(prompt), block_ids, self._salts.get(req_id),
+            tracker = _Tracker(list(prompt), block_ids, self._identities.get(req_id),
                                stored_end=load.end)
             self._trackers[req_id] = tracker
             mine = []  # every group's part, or none: a load is never half planned
@@ -268,7 +287,7 @@ class SchedulerSide:
                         continue
                     slots = slot_mapping(block_ids[group], self._block_size(group), load.end)
                     mine.append(RequestPlan(req_id, tracker.prompt[:load.end], slots,
-                                            tracker.salt, span, None, async_load=True,
+                                            tracker.identity, span, None, async_load=True,
                                             group=group))
             except ValueError as exc:
                 self._log.warning("plan", "request %s skipped: %s", req_id, exc)
@@ -289,7 +308,8 @@ class SchedulerSide:
         self._loads.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
         self._prompts.pop(req_id, None)
-        self._salts.pop(req_id, None)
+        self._identities.pop(req_id, None)
+        self._unnamed.discard(req_id)
         self._trackers.pop(req_id, None)
         self._failures.pop(req_id, None)
         return delay
@@ -320,7 +340,7 @@ class SchedulerSide:
             except ValueError as exc:
                 self._log.warning("plan", "request %s skipped: %s", req_id, exc)
                 return []
-            plans.append(RequestPlan(req_id, tracker.prompt[:n], slots, tracker.salt,
+            plans.append(RequestPlan(req_id, tracker.prompt[:n], slots, tracker.identity,
                                      group_load, group_save, group=group))
         if save is not None:
             tracker.stored_end = save.end

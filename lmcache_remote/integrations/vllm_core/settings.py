@@ -31,8 +31,8 @@ CACHE_DTYPES: dict[str, torch.dtype] = {
 class ConnectorSettings:
     """What `kv_connector_extra_config` configures. `config_file` names a YAML file of
     `CacheConfig` fields (as `load_config`), every other key except `layerwise`,
-    `model_name`, `model_fingerprint`, `async_load_min_tokens`, `async_save` and
-    `lookup_wait_ms` overrides one field; an unknown key is a
+    `model_name`, `model_fingerprint`, `async_load_min_tokens`, `async_save`,
+    `lookup_wait_ms` and `mm_items` overrides one field; an unknown key is a
     `ConfigError` naming it."""
 
     config: CacheConfig
@@ -59,6 +59,13 @@ class ConnectorSettings:
     most this long for one; a request whose lookup takes longer is asked about again on a
     later step. None: lookups run in the scheduler's thread (one round trip, bounded by
     `remote_timeout`)."""
+
+    mm_items: str = "content"
+    """How multimodal items are named in the keys (`integrations.vllm.requests`):
+    "content", a digest of the processed inputs the encoder runs on (safe whatever ids clients
+    send); "identifier", vLLM's item identifier, which is a client's `multi_modal_uuids` entry
+    verbatim when one is given: every engine sharing the Redis then trusts every client's
+    ids."""
 
     @property
     def lookup_wait_s(self) -> float | None:
@@ -90,8 +97,11 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     if not isinstance(fingerprint, str) or not fingerprint or any(c.isspace() for c in fingerprint):
         raise ConfigError("model_fingerprint", f"must be 'auto', 'off' or a string without "
                           f"spaces, got {fingerprint!r}")
+    mm_items = values.pop("mm_items", "content")
+    if mm_items not in ("content", "identifier"):
+        raise ConfigError("mm_items", f"must be 'content' or 'identifier', got {mm_items!r}")
     return ConnectorSettings(load_config(path, **values), layerwise, model_name, async_min,
-                             async_save, fingerprint, wait_ms)
+                             async_save, fingerprint, wait_ms, mm_items)
 
 
 @dataclasses.dataclass(frozen=True)

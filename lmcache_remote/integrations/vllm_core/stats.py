@@ -37,6 +37,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
                              "scheduled"),
     "promised_tokens": ("vllm.promised_tokens",
                         "Prompt tokens the connector claimed as hits and vLLM allocated"),
+    "unnamed_requests": ("vllm.unnamed_requests",
+                         "Requests passed through: their KV depends on something the keys "
+                         "cannot bind (an adapter changed under the engine, an item in "
+                         "shared memory)"),
     "lookup_requests": ("lookup.requests", "Prefix lookups (scheduler)"),
     "lookup_errors": ("lookup.remote_errors", "Prefix lookups that failed on Redis (misses)"),
     "retrieved_tokens": ("engine.retrieved_tokens", "Tokens of KV loaded into vLLM's cache"),

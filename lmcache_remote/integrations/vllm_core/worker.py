@@ -337,7 +337,7 @@ class WorkerSide:
             with transfer_stream(self._layers), background_reads():
                 hit = self._engine().retrieve(plan.token_ids[: span.end], self._kv(plan, span.end),
                                               self._mask(span.skip, span.end),
-                                              cache_salt=plan.cache_salt)
+                                              identity=plan.identity)
             hit_end = _hit_end(hit, span.skip)
         except Exception as exc:
             self._log.warning("load", "load of request %s failed: %s", plan.req_id, exc)
@@ -376,10 +376,10 @@ class WorkerSide:
         args = (plan.token_ids[: span.end], self._kv(plan, span.end), self._mask(span.skip,
                                                                                  span.end))
         if not self.settings.layerwise:
-            hit = self._engine().retrieve(*args, cache_salt=plan.cache_salt)
+            hit = self._engine().retrieve(*args, identity=plan.identity)
             self._report_misses(plan, _hit_end(hit, span.skip))
             return
-        gen = self._engine().retrieve_layer(*args, cache_salt=plan.cache_salt)
+        gen = self._engine().retrieve_layer(*args, identity=plan.identity)
         hit_end = _hit_end(next(gen), span.skip)  # fetched now; the layers follow
         self._report_misses(plan, hit_end)  # known already: vLLM may learn it this step
         if hit_end > span.skip:
@@ -441,7 +441,7 @@ class WorkerSide:
         span = _span(plan.save)
         gen = self._engine().store_layer(plan.token_ids[: span.end], self._kv(plan, span.end),
                                          self._mask(span.skip, span.end),
-                                         cache_salt=plan.cache_salt)
+                                         identity=plan.identity)
         self._stores.append(_PendingStore(plan, gen, self._engine().layout.num_layers + 1))
 
     def _step_store(self, pending: _PendingStore, upto: int) -> None:
@@ -476,7 +476,7 @@ class WorkerSide:
     def _store_whole(self, plan: RequestPlan) -> None:
         span = _span(plan.save)
         self._engine().store(plan.token_ids[: span.end], self._kv(plan, span.end),
-                             self._mask(span.skip, span.end), cache_salt=plan.cache_salt)
+                             self._mask(span.skip, span.end), identity=plan.identity)
 
     def _guard(self, plan: RequestPlan, what: str, action: Callable[[RequestPlan], None]) -> None:
         """Run one request's transfer; a failure is logged and, for a load, reported."""
