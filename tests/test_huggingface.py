@@ -226,3 +226,68 @@ def test_hybrid_models_are_refused_at_construction(key_prefix: str, kind: str) -
     with cache_engine(model, None, key_prefix) as engine, pytest.raises(ValueError,
                                                                          match="full attention"):
         CachedLM(model, engine)
+
+
+def lora(folder: Path, seed: int) -> Any:
+    """The tiny Llama with a random LoRA adapter (peft, r=4 on q/k/v/o, `init_lora_weights`
+    off so the KV moves), saved to `folder` by `save_pretrained` if not there yet, and loaded
+    from it onto a fresh base model."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if not (folder / "adapter_config.json").exists():
+        base = tiny_model("llama")
+        torch.manual_seed(seed)  # after the base model's own seed
+        config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        get_peft_model(base, config).save_pretrained(folder)
+    return PeftModel.from_pretrained(tiny_model("llama"), folder).eval()
+
+
+def test_lora_adapters_are_named_by_their_files(tmp_path: Path, redis_url: str,
+                                                key_prefix: str) -> None:
+    """A peft adapter's chunks hit only under the same adapter files: adapter A's cached
+    prefill equals A's recompute; B and the base model get no hit over A's chunks (their
+    logits differ from A's on the same ids: each check can fail); A without `adapter=`,
+    or with B's folder, is refused."""
+    ids = prompt(50, seed=21)
+    outputs = {}
+    models = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        models[name] = lora(tmp_path / name, seed)
+        outputs[name] = full_logits(models[name], ids)
+    base = tiny_model("llama")
+    outputs["base"] = full_logits(base, ids)
+    assert max_diff(outputs["a"], outputs["base"]) > 1e-2
+    assert max_diff(outputs["a"], outputs["b"]) > 1e-2
+    with cache_engine(base, redis_url, key_prefix) as engine:
+        with CachedLM(models["a"], engine, adapter=str(tmp_path / "a")) as lm:
+            assert lm.prefill(ids).stored_tokens == [48]
+        again = lora(tmp_path / "a", 1)  # another process would load it so
+        with CachedLM(again, engine, adapter=str(tmp_path / "a")) as lm:
+            got = lm.prefill(ids)
+            assert got.hit_tokens == 48
+            assert max_diff(got.logits, outputs["a"][:, 48:]) <= TOL
+        with CachedLM(models["b"], engine, adapter=str(tmp_path / "b")) as lm:
+            assert lm.prefill(ids).hit_tokens == 0
+        with CachedLM(base, engine, store=False) as lm:
+            assert lm.prefill(ids).hit_tokens == 0
+        with pytest.raises(ValueError, match="pass adapter="):
+            CachedLM(models["a"], engine)
+        with pytest.raises(ValueError, match="not the files"):
+            CachedLM(models["a"], engine, adapter=str(tmp_path / "b"))
+        with pytest.raises(ValueError, match="no active LoRA adapter"):
+            CachedLM(base, engine, adapter=str(tmp_path / "a"))
+
+
+def test_inputs_other_than_token_ids_are_refused(model, redis_url: str,
+                                                  key_prefix: str) -> None:
+    ids = prompt(40, seed=22)
+    with cache_engine(model, redis_url, key_prefix) as engine, CachedLM(model, engine) as lm:
+        embeds = model.get_input_embeddings()(ids)
+        for kwargs in ({"inputs_embeds": embeds}, {"pixel_values": torch.zeros(1, 3, 8, 8)},
+                       {"position_ids": torch.arange(40)[None]}):
+            with pytest.raises(ValueError, match="token ids"):
+                lm.prefill(ids, **kwargs)
+            with pytest.raises(ValueError, match="token ids"):
+                lm.generate(ids, max_new_tokens=1, **kwargs)
+        assert engine.stats()["engine"].get("store_requests", 0) == 0  # nothing was stored

@@ -38,6 +38,21 @@ config has no name and no files: pass `model_name`; its keys then carry the name
 WARNING says so). Engines that share chunks must have the same namespace, world size and KV
 dtype.
 
+LoRA adapters (peft): a model with an active adapter (a `PeftModel`, or an adapter loaded
+through transformers' `load_adapter`) computes other KV than its base model, so its chunks are
+named by the adapter too: pass `adapter=` the adapter's folder, as `save_pretrained` wrote it.
+Its files are fingerprinted as vLLM's connector fingerprints them
+(`fingerprint.adapter_fingerprint`: vLLM and transformers share the adapter's chunks), and the
+weights the model holds are compared with the folder's at construction: a mismatch, a model
+with an active adapter and no `adapter=`, or several active adapters, is a `ValueError`.
+Merged adapters (`merge_and_unload`) are new weights: save and load them as a model.
+
+Inputs other than token ids are refused with a `ValueError`: a tensor keyword argument to
+`prefill`, `forward_suffix` or `generate` besides an all-ones `attention_mask`
+(`pixel_values`, `inputs_embeds`, `position_ids`, `token_type_ids`, ...) changes the KV of the
+same token ids, and the keys here name token ids, the salt and the adapter only. Images and
+prompt embeddings are served by the vLLM connector.
+
 transformers is imported when a function here needs it, not at import time.
 """
 
@@ -55,12 +70,14 @@ from lmcache_remote.config import CacheConfig, load_config
 from lmcache_remote.connectors import DenseKV
 from lmcache_remote.engine import CacheEngine, EngineMetadata
 from lmcache_remote.fingerprint import (
+    adapter_fingerprint,
     model_fingerprint,
     model_folder,
     model_name_of,
     namespace,
     resolve_fingerprint,
 )
+from lmcache_remote.identity import RequestIdentity
 from lmcache_remote.serde import dtype_name
 
 if TYPE_CHECKING:
@@ -160,7 +177,8 @@ class CachedLM:
     """A transformers causal LM whose prompts' prefill goes through a `CacheEngine`.
 
     Not thread-safe (the model is not). `store=False` loads hits but never stores;
-    `cache_salt` namespaces the chunks (the same salt must be used to hit them).
+    `cache_salt` namespaces the chunks (the same salt must be used to hit them); `adapter`:
+    the folder of the model's active LoRA adapter (module docstring).
     """
 
     def __init__(
@@ -171,11 +189,14 @@ class CachedLM:
         store: bool = True,
         cache_salt: str | None = None,
         owns_engine: bool = False,
+        adapter: str | None = None,
     ) -> None:
         self.model = model
         self.engine = engine
         self.store_enabled = store
         self.cache_salt = cache_salt
+        self.identity = RequestIdentity(cache_salt=cache_salt,
+                                        adapter=_adapter_identity(model, adapter))
         self._owns_engine = owns_engine
         want = engine_metadata(model, model_name=engine.metadata.model_name,
                                model_fingerprint="off")  # the geometry is what is checked
@@ -235,14 +256,14 @@ class CachedLM:
         for row in rows:
             if hit == 0:
                 break
-            hit = min(hit, self.engine.lookup(row[:hit], cache_salt=self.cache_salt))
+            hit = min(hit, self.engine.lookup(row[:hit], identity=self.identity))
         cache = self._new_cache()
         if hit == 0:
             return cache, 0
         per_row: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         for row in rows:
             keys, values = self._empty_kv(hit)
-            got = self.engine.retrieve(row[:hit], DenseKV(keys, values), cache_salt=self.cache_salt)
+            got = self.engine.retrieve(row[:hit], DenseKV(keys, values), identity=self.identity)
             hit = min(hit, int(got.sum()))
             per_row.append((keys, values))
             if hit == 0:
@@ -270,7 +291,7 @@ class CachedLM:
             keys = [layer.keys[b : b + 1, :, :length] for layer in layers]
             values = [layer.values[b : b + 1, :, :length] for layer in layers]
             stored.append(
-                self.engine.store(row, DenseKV(keys, values), mask, cache_salt=self.cache_salt)
+                self.engine.store(row, DenseKV(keys, values), mask, identity=self.identity)
             )
         return stored
 
@@ -280,6 +301,7 @@ class CachedLM:
     def prefill(self, input_ids: Any, **model_kwargs: Any) -> Prefill:
         """One forward pass over the prompt, the cached prefix loaded instead of computed."""
         ids = self._batch(input_ids)
+        _only_token_ids(model_kwargs)
         cache, hit = self.load(ids)
         out = self.forward_suffix(ids, cache, hit, **model_kwargs)
         stored = self.save(ids, cache, skip=hit) if self.store_enabled else [0] * len(ids)
@@ -293,6 +315,7 @@ class CachedLM:
         holds positions `0..hit-1`, as `load` returned it) and extending it. Returns the
         model's output (`.logits` of the suffix)."""
         ids = self._batch(input_ids)
+        _only_token_ids(model_kwargs)
         return self.model(input_ids=ids[:, hit:], use_cache=True, **{self._cache_kw: cache},
                           **model_kwargs)
 
@@ -306,6 +329,7 @@ class CachedLM:
         mask = generate_kwargs.pop("attention_mask", None)
         if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
             raise ValueError("padded batches are not supported: pass prompts without padding")
+        _only_token_ids(generate_kwargs)
         cache, hit = self.load(ids)
         output = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), **{self._cache_kw: cache},
@@ -355,3 +379,72 @@ class CachedLM:
                 "(sliding-window, linear-attention and shared-KV layers are not)"
             )
         return cache
+
+
+def _only_token_ids(kwargs: dict[str, Any]) -> None:
+    """Refuse inputs that change the KV of the same token ids (module docstring)."""
+    tensors = sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor))
+    if tensors:
+        raise ValueError(
+            f"CachedLM names KV by token ids (and salt and adapter) only; {', '.join(tensors)} "
+            "would change the KV of the same ids (images, prompt embeddings, positions): "
+            "not served here (the vLLM connector serves images and prompt embeddings)")
+
+
+def _active_adapters(model: Any) -> list[str]:
+    """The LoRA adapters active on `model` (peft's `PeftModel` or transformers' integration)."""
+    if getattr(model, "peft_config", None) is None:
+        return []
+    if getattr(model, "disable_adapters", False) is True:
+        return []
+    active = getattr(model, "active_adapters", None)
+    names = active() if callable(active) else active
+    if names is None:
+        names = [getattr(model, "active_adapter", None)]
+    if isinstance(names, str):
+        names = [names]
+    return [str(n) for n in names if n]
+
+
+def _adapter_identity(model: Any, folder: str | None) -> str | None:
+    """The fingerprint of the model's active adapter, from `folder`, after checking that the
+    model holds the folder's weights; None for a model without adapter."""
+    active = _active_adapters(model)
+    if not active:
+        if folder is not None:
+            raise ValueError(f"adapter={folder!r} given, but the model has no active LoRA "
+                             "adapter")
+        return None
+    if len(active) > 1:
+        raise ValueError(f"several active adapters ({', '.join(active)}): not served (one "
+                         "adapter per CachedLM)")
+    if folder is None:
+        raise ValueError(f"the model runs LoRA adapter {active[0]!r}, whose KV is not the base "
+                         "model's: pass adapter= its folder (as save_pretrained wrote it) so "
+                         "its chunks are named by the adapter's files")
+    _check_adapter_weights(model, active[0], folder)
+    return adapter_fingerprint(folder)
+
+
+def _check_adapter_weights(model: Any, name: str, folder: str) -> None:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors adapter weights to check against")
+    on_disk: dict[str, torch.Tensor] = {}
+    for path in files:
+        on_disk.update(load_file(str(path)))
+    from peft import PeftModel, get_peft_model_state_dict
+
+    if isinstance(model, PeftModel):
+        held = get_peft_model_state_dict(model, adapter_name=name)
+    else:  # an adapter loaded through transformers' own integration (`load_adapter`)
+        held = model.get_adapter_state_dict(adapter_name=name)
+    if set(held) != set(on_disk) or any(
+            not torch.equal(held[k].detach().cpu().to(on_disk[k].dtype), on_disk[k])
+            for k in held):
+        raise ValueError(f"the weights of adapter {name!r} in the model are not the files in "
+                         f"{folder}: its chunks would be named by other weights")
