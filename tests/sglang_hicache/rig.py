@@ -164,18 +164,22 @@ class Engine:
             out.append(page.contiguous().view(torch.uint8).numpy().tobytes())
         return out
 
-    def backup(self, tokens: list[int], slots: torch.Tensor) -> int:
-        """SGLang's write to storage of these host pages; the tokens it reports backed up."""
+    def backup(self, tokens: Any, slots: torch.Tensor) -> int:
+        """SGLang's write to storage of these host pages; the tokens it reports backed up.
+        `tokens`: a list of ids, or SGLang's `RadixKey` (ids with the request's namespace:
+        LoRA id, salt), whose page hashes SGLang seeds with that namespace."""
         hashes = get_storage_hash_str(tokens, None, page_size=self.page)
+        tokens = list(getattr(tokens, "token_ids", tokens))
         op_id = self.controller.write_storage(slots, tokens, hash_value=hashes)
         while True:
             op = self.controller.ack_backup_queue.get(timeout=WAIT)
             if op.id == op_id:
                 return int(op.completed_tokens)
 
-    def prefetch(self, tokens: list[int], rid: str | None = None
+    def prefetch(self, tokens: Any, rid: str | None = None
                  ) -> tuple[int, torch.Tensor | None]:
-        """SGLang's prefetch of `tokens`: (tokens loaded into the host pool, their slots)."""
+        """SGLang's prefetch of `tokens` (ids or a `RadixKey`, as `backup`): (tokens loaded
+        into the host pool, their slots)."""
         rid = rid or uuid.uuid4().hex
         self.controller.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens, None)
         op = self.controller.prefetch_hit_queue.get(timeout=WAIT)

@@ -11,6 +11,7 @@ import pytest
 import redis
 import torch
 from rig import PAGE, Engine, tokens_for
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from lmcache_remote.keys import PageKey, page_scan_pattern, split_page_part_key
 
@@ -276,3 +277,29 @@ def test_clear_deletes_this_backends_pages_only(engines: Callable[..., Engine],
     assert {k.geometry.split(".")[1] for k in page_keys(redis_client, key_prefix)} == {
         "layer-first"}
     assert other.prefetch(tokens)[0] == 2 * PAGE and redis_client.exists(chunk) == 1
+
+
+def test_pages_keep_sglangs_request_namespaces(engines: Callable[..., Engine]) -> None:
+    """SGLang names a page by the SHA-256 chain over its tokens, seeded with the request's
+    namespace (`storage_namespace_seed` of its `extra_key`, where SGLang puts the LoRA id, and
+    its cache salt); an image's placeholders are tokens derived from the image's hash there.
+    The backend keys pages by that hash and never sees the tokens: pages written for one
+    adapter or salt are found for it alone, the same token ids in another namespace miss.
+    What the hash binds is SGLang's: SGLang's LoRA id is the adapter's name, not its files
+    (docs/integrations.md, SGLang)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    engine = engines()
+    tokens = tokens_for(4, seed=41)
+    keys = {"base": RadixKey(tokens), "lora-a": RadixKey(tokens, extra_key="lora-a"),
+            "lora-b": RadixKey(tokens, extra_key="lora-b"),
+            "salted": RadixKey(tokens, cache_salt="s")}
+    assert len({engine.hashes(tokens)[0]} | {
+        get_storage_hash_str(k, None, page_size=engine.page)[0] for k in keys.values()}) == 4
+    slots = engine.fill(4, seed=42)
+    assert engine.backup(keys["lora-a"], slots) == 4 * engine.page
+    hit, got = engine.prefetch(keys["lora-a"])
+    assert hit == 4 * engine.page and got is not None
+    assert engine.page_bytes(got, 4) == engine.page_bytes(slots, 4)
+    for name in ("base", "lora-b", "salted"):
+        assert engine.prefetch(keys[name]) == (0, None), name
