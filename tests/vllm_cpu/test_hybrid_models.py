@@ -127,9 +127,9 @@ def _by_kind(stored: dict[str, set[int]]) -> dict[str, set[int]]:
 
 
 def _fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory, name: str,
-           config: Any) -> Iterator[Fleet]:
+           config: Any, defaults: dict[str, Any] | None = None) -> Iterator[Fleet]:
     folder = save_random(tmp_path_factory.mktemp("models") / name, config)
-    made = Fleet(folder, redis_url, tmp_path_factory.mktemp(f"{name}-fleet"))
+    made = Fleet(folder, redis_url, tmp_path_factory.mktemp(f"{name}-fleet"), defaults)
     yield made
     made.close()
 
@@ -306,6 +306,10 @@ QB = QA[:SHARED] + prompt(52, 43)
 QC = prompt(SHARED + 52, 44)  # a prefix no engine has seen
 QS = prompt(200, 45)  # shorter than a block: one prefill step whatever the mamba_cache_mode
 MAMBA_BLOCK = 256  # vLLM: "Setting attention block size to 256 tokens"; the chunk size too
+#: The recurrent state in float32 on every machine: vLLM's CPU platform keeps it float32
+#: where the CPU has AVX-512 BF16 and in the model's dtype otherwise ("auto"), and the state's
+#: size sets the block size (bfloat16 here: 128), so MAMBA_BLOCK would follow the machine.
+MAMBA_STATE = {"engine_args": {"mamba_ssm_cache_dtype": "float32"}}
 PASSES_NONE = ("lmcache-remote: LmcrConnector passes this model through: a MambaSpec KV cache "
                "group over 2 layers: mamba_cache_mode 'none'")
 
@@ -324,7 +328,8 @@ def qwen3_next(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
         linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=256, shared_expert_intermediate_size=256, decoder_sparse_step=1,
-        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False))
+        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False),
+        MAMBA_STATE)
 
 
 @pytest.fixture(scope="module")
