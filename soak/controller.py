@@ -8,9 +8,11 @@ a common T0 and end time, injects faults on schedule (`soak.faults`, modes `faul
 returns a `SoakResult` (judged by `soak.report`).
 
 Everything it starts it stops, on success, on failure and on KeyboardInterrupt (Ctrl-C,
-or SIGTERM, which it turns into one): the engines are told to stop (stdin closed), then
-SIGTERM, then SIGKILL; the server is stopped the same way. The engines also die with the
-controller (PR_SET_PDEATHSIG) should it be killed with SIGKILL itself.
+or SIGTERM, which it turns into one; the signal is also recorded, and the waits check the
+record twice a second, so an interrupt that lands where Python drops exceptions, a `__del__`
+run by the garbage collector, still stops the run): the engines are told to stop (stdin
+closed), then SIGTERM, then SIGKILL; the server is stopped the same way. The engines also
+die with the controller (PR_SET_PDEATHSIG) should it be killed with SIGKILL itself.
 """
 
 from __future__ import annotations
@@ -136,7 +138,9 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> Soak
     result = SoakResult(settings, engines, [], [], None)
     injector: FaultInjector | None = None
     link: Throttle | None = None
+    _signalled.clear()
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    old_int = signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     try:
         server.start()
         # the engines reach Redis through a proxy whose link the slow-link fault turns down
@@ -174,7 +178,7 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> Soak
     finally:
         # the clean-up is bounded (the grace periods and timeouts): a second Ctrl-C or SIGTERM must
         # not cut it short and leave processes behind
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             if injector is not None:
@@ -190,8 +194,23 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> Soak
     return result
 
 
+#: Set by the run's SIGINT and SIGTERM handlers: the waits raise `_Interrupted` once it is set.
+_signalled = threading.Event()
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
+    _signalled.set()
     raise _Interrupted()
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    _signalled.set()
+    raise KeyboardInterrupt
+
+
+def _check_signalled() -> None:
+    if _signalled.is_set():
+        raise _Interrupted()
 
 
 def _worker_env() -> dict[str, str]:
@@ -216,9 +235,12 @@ def _wait_ready(engines: list[EngineRun],
                 log: Callable[[str], None]) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     while any(r.ready is None for r in engines):
+        _check_signalled()
         try:
-            run, doc = inbox.get(timeout=max(0.1, deadline - time.monotonic()))
+            run, doc = inbox.get(timeout=min(0.5, max(0.1, deadline - time.monotonic())))
         except queue.Empty:
+            if time.monotonic() < deadline:
+                continue
             raise RuntimeError(f"engines not ready within {READY_TIMEOUT:g} s") from None
         if doc is None:
             raise RuntimeError(f"engine {run.name} exited during start-up "
@@ -237,6 +259,7 @@ def _collect(settings: SoakSettings, engines: list[EngineRun],
     open_runs = {r.name for r in engines}
     next_info = 0
     while open_runs and time.time() < hard_deadline:
+        _check_signalled()
         while time.time() >= t0 + (next_info + 1) * settings.window and next_info < _windows(
                 settings):
             result.redis_windows.append(_redis_info(server, t0, next_info))
