@@ -341,19 +341,7 @@ class Bench:
             engine.close()
 
     def settle(self, what: str, timeout: float = 120.0) -> int:
-        """Wait until Redis's key count stops changing (1.5 s unchanged); return it."""
-        deadline = time.monotonic() + timeout
-        last, still = -1, 0
-        while time.monotonic() < deadline:
-            count = int(self.client.dbsize())
-            still = still + 1 if count == last and count > 0 else 0
-            if still >= 3:
-                self.notes.append(f"Redis held {count} keys after {what}")
-                print(f"  Redis holds {count} keys after {what}", flush=True)
-                return count
-            last = count
-            time.sleep(0.5)
-        raise RuntimeError(f"Redis's key count did not settle after {what} (last {last})")
+        return settle_keys(self.client, self.notes, what, timeout)
 
     def keyspace_hits(self) -> int:
         return int(self.client.info("stats")["keyspace_hits"])
@@ -688,6 +676,21 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"Whole run: {report['wall_s'] / 60:.1f} min."]
     return "\n".join(lines) + "\n"
 
+def settle_keys(client: Any, notes: list[str], what: str, timeout: float = 120.0) -> int:
+    """Wait until Redis's key count stops changing (1.5 s unchanged); note it and return it."""
+    deadline = time.monotonic() + timeout
+    last, still = -1, 0
+    while time.monotonic() < deadline:
+        count = int(client.dbsize())
+        still = still + 1 if count == last and count > 0 else 0
+        if still >= 3:
+            notes.append(f"Redis held {count} keys after {what}")
+            print(f"  Redis holds {count} keys after {what}", flush=True)
+            return count
+        last = count
+        time.sleep(0.5)
+    raise RuntimeError(f"Redis's key count did not settle after {what} (last {last})")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -770,3 +773,4 @@ def _version(dist: str) -> str:
 
 if __name__ == "__main__":
     main()
+
