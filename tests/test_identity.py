@@ -48,6 +48,8 @@ def golden() -> dict[str, list[str]]:
 
 
 EMBED_DIGESTS = tuple(bytes([i]) * 16 for i in range(3))
+MIXED_MASKS = tuple(bytes(1 if j % 2 == 0 else 0 for j in range(s, min(s + 256, 600)))
+                    for s in range(0, 600, 256))
 #: row of the golden table -> (library identity, spec arguments, tokens)
 CASES: dict[str, tuple[Any, dict[str, Any], list[int]]] = {
     "text": (None, {}, list(range(600))),
@@ -67,6 +69,11 @@ CASES: dict[str, tuple[Any, dict[str, Any], list[int]]] = {
     "prompt embeddings (600 zero ids), `bfloat16`, row digests `bytes([i]) * 16` for chunk `i`": (
         RequestIdentity(embeds=EmbedsDigests(256, "bfloat16", EMBED_DIGESTS)),
         {"embeds": ("bfloat16", EMBED_DIGESTS, None)}, [0] * 600),
+    "a mixed prompt: ids `i` at even positions `i`, embeddings (id 0) at odd ones, mask 1 at "
+    "even positions, digests as above": (
+        RequestIdentity(embeds=EmbedsDigests(256, "bfloat16", EMBED_DIGESTS, MIXED_MASKS)),
+        {"embeds": ("bfloat16", EMBED_DIGESTS, MIXED_MASKS)},
+        [i if i % 2 == 0 else 0 for i in range(600)]),
 }
 
 
