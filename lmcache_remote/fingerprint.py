@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmcache_remote.identity import field_header
+
 __all__ = ["ADAPTER_FINGERPRINT_VERSION", "FINGERPRINT_VERSION", "FingerprintError",
            "PROCESSOR_FILES", "adapter_fingerprint", "adapter_signature", "model_fingerprint",
            "model_folder", "model_name_of", "namespace", "resolve_fingerprint"]
@@ -152,8 +154,7 @@ def adapter_fingerprint(folder: str | os.PathLike[str]) -> str:
         _field(digest, "file", path.relative_to(root).as_posix().encode())
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            label = b"weights"
-            digest.update(struct.pack("<Q", len(label)) + label + struct.pack("<Q", size))
+            digest.update(field_header(b"weights", size))
             read = 0
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
@@ -206,8 +207,7 @@ def _dumps(data: Any) -> bytes:
 
 def _field(digest: Any, name: str, data: bytes) -> None:
     """Each field as its name, its length (uint64 LE) and its bytes: no two inputs collide."""
-    label = name.encode()
-    digest.update(struct.pack("<Q", len(label)) + label + struct.pack("<Q", len(data)))
+    digest.update(field_header(name.encode(), len(data)))
     digest.update(data)
 
 

@@ -39,9 +39,15 @@ EMBEDS_PERSON = b"lmcr-embeds1"
 _ADAPTER_RE = re.compile(r"[\x21-\x7e]{1,128}")
 
 
+def field_header(name: bytes, length: int) -> bytes:
+    """What precedes a field's data: `len(name)` (uint64 LE), name, `length` (uint64 LE). The
+    framing of every field here and in the fingerprints (`lmcache_remote.fingerprint`)."""
+    return struct.pack("<Q", len(name)) + name + struct.pack("<Q", length)
+
+
 def field(name: bytes, data: bytes) -> bytes:
     """One framed field: `len(name)` (uint64 LE), name, `len(data)` (uint64 LE), data."""
-    return struct.pack("<Q", len(name)) + name + struct.pack("<Q", len(data)) + data
+    return field_header(name, len(data)) + data
 
 
 def salt_seed(cache_salt: str | None) -> bytes:

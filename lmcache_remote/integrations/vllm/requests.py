@@ -196,9 +196,7 @@ class RequestNames:
             embeds=None if embeds is None else embeds_digests(embeds, self.chunk_size,
                                                               mask=mask),
         )
-        if identity == RequestIdentity(cache_salt=identity.cache_salt):
-            return prompt, (None if identity.cache_salt is None else identity)
-        return prompt, identity
+        return prompt, (None if identity == RequestIdentity() else identity)
 
     def _items(self, features: Any) -> tuple[MMItem, ...]:
         items = []
