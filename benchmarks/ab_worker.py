@@ -24,10 +24,13 @@ import time
 import redis
 import torch
 
-from lmcache_remote import CacheConfig, CacheEngine, PagedKV
-from lmcache_remote.engine import EngineMetadata
-from lmcache_remote.keys import PageKey
+from lmcache_remote import CacheConfig, CacheEngine, EngineMetadata, PagedKV
 from lmcache_remote.storage.pages import PageStore
+
+try:
+    from lmcache_remote.naming.keys import PageKey
+except ImportError:  # a checkout from before the folder layout (issue 37): keys at the root
+    from lmcache_remote.keys import PageKey  # type: ignore[no-redef]
 
 LAYERS, HEADS, HEAD, BLOCK = 8, 8, 128, 16
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 from benchmarks.timing import median_seconds
-from lmcache_remote.serde import Serde
+from lmcache_remote.values.serde import Serde
 
 HASH = bytes(16)
 

@@ -15,11 +15,11 @@ from benchmarks.data import CHUNK, Shape, normal_dense, same_kv
 from benchmarks.server import LocalRedis
 from benchmarks.timing import median_seconds
 from lmcache_remote import CacheConfig, CacheEngine, DenseKV, KVView
-from lmcache_remote.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.memory import MemoryObj, MemoryPool
-from lmcache_remote.metrics import Metrics
-from lmcache_remote.serde import Serde
+from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
+from lmcache_remote.storage.memory import MemoryObj, MemoryPool
 from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.telemetry.metrics import Metrics
+from lmcache_remote.values.serde import Serde
 
 _salts = itertools.count()
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmcache_remote.fingerprint import model_fingerprint
+from lmcache_remote.naming.fingerprint import model_fingerprint
 
 LAYERS, HIDDEN, INTER, VOCAB, KV = 32, 4096, 14336, 128256, 1024
 

@@ -47,7 +47,7 @@ from benchmarks.data import (
 from benchmarks.engine_rows import TierSource
 from benchmarks.report import side_section
 from benchmarks.server import LocalRedis
-from lmcache_remote.integrity import IntegrityKey
+from lmcache_remote.values.integrity import IntegrityKey
 
 TARGET = 0.8
 SETS = {"full": ((LLAMA8B, 16), (MIB1, 256)), "tiny": ((TINY, 4),)}

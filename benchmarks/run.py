@@ -40,7 +40,7 @@ from benchmarks.report import BUSY_FIELD, busy_section, cpu_section, side_sectio
 from benchmarks.server import LocalRedis
 from benchmarks.timing import Results, Row
 from lmcache_remote import DenseKV, KVView
-from lmcache_remote.serde import DEFAULT_PART_SIZE
+from lmcache_remote.values.serde import DEFAULT_PART_SIZE
 
 CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes", "blosc2-lz4", "blosc2-zstd")
 

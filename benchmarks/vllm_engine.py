@@ -175,7 +175,8 @@ def snapshot_project(work: Path, attempts: int = 20) -> tuple[Path, str]:
     the rows disagree. Retried every 30 s while the copy does not import (an edit under way).
     Returns the folder to put first on the engines' PYTHONPATH and the copy's digest."""
     setup = ("from glob import glob; from setuptools import Extension, setup; setup(ext_modules="
-             "[Extension('lmcache_remote._wire', sorted(glob('lmcache_remote/_wire*.c')), "
+             "[Extension('lmcache_remote.native._wire', "
+             "sorted(glob('lmcache_remote/native/_wire*.c')), "
              "extra_compile_args=['-O2'])])")
     check = ("import lmcache_remote.integrations.vllm, lmcache_remote.storage.bulk as w; "
              "assert w.NATIVE, 'the native _wire did not load'")
@@ -474,8 +475,8 @@ class Bench:
             return [sorted(groups[c]) for c in chunks]
         if self.snap is not None and str(self.snap) not in sys.path:
             sys.path.insert(0, str(self.snap))  # the run's copy, as the engines import it
-        from lmcache_remote.hashing import chunk_hashes, tokens_to_array
-        from lmcache_remote.keys import split_part_key
+        from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
+        from lmcache_remote.naming.keys import split_part_key
 
         index = {digest.hex(): i for i, digest in enumerate(chunk_hashes(
             tokens_to_array(self.prefix(size, 0)), CHUNK, None, partial=False))}

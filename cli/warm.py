@@ -63,8 +63,8 @@ def _warm_from_file(cx: CliContext, path: str) -> dict[str, Any]:
 def _warm_from_model(cx: CliContext, model_path: str, prompts_file: str | None,
                      model_name: str | None, model_fingerprint: str, device: str | None
                      ) -> None:
-    from lmcache_remote.fingerprint import FingerprintError
     from lmcache_remote.integrations.warmup import PromptFileError, warm_from_model
+    from lmcache_remote.naming.fingerprint import FingerprintError
 
     if prompts_file is None:
         raise click.UsageError("--model-path needs --prompts FILE")

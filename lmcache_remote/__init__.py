@@ -24,7 +24,7 @@ from lmcache_remote.errors import (
     SerdeError,
     UnauthenticatedEntryError,
 )
-from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.version import __version__
 
 __all__ = [

@@ -29,8 +29,8 @@ from typing import Any
 import yaml
 
 from lmcache_remote.errors import ConfigError
-from lmcache_remote.integrity import check_source
 from lmcache_remote.urls import parse_remote_url
+from lmcache_remote.values.integrity import check_source
 
 GIB = 1024**3
 ENV_PREFIX = "LMCR_"
@@ -80,11 +80,12 @@ class CacheConfig:
     """GiB of chunks the write-behind queue may hold; past it new writes are dropped and counted."""
     remote_part_size: int = 4 * 1024 * 1024 - 64 * 1024
     """The most raw bytes per Redis value, 4096 to 512 MiB: each chunk is cut into parts of at
-    most this, sized to fill Redis's allocation size classes (`lmcache_remote.sizing`; the
+    most this, sized to fill Redis's allocation size classes (`lmcache_remote.values.sizing`; the
     part plan in docs/value-format.md)."""
     serde_threads: int = 0
     """Threads for compression; 0 = one per CPU this process may use (its affinity mask,
-    capped by its cgroup's CPU quota: `lmcache_remote.cpus`), not one per core of the host."""
+    capped by its cgroup's CPU quota: `lmcache_remote.storage.cpus`), not one per core of the
+    host."""
     remote_write_lanes: int = 8
     """Connections one store writes over at once on a single server (1-64). Eight, not four:
     with more connections sending at once redis-server spent 5-11% less CPU per byte written
@@ -94,7 +95,7 @@ class CacheConfig:
     """Connections one retrieve reads over at once on a single server (1-64); see
     `remote_write_lanes`."""
     require_native: bool = False
-    """Fail at start-up (`ConfigError`) when the C extension `lmcache_remote._wire` (the
+    """Fail at start-up (`ConfigError`) when the C extension `lmcache_remote.native._wire` (the
     native receive loop and row copier) is not there, instead of running the slower Python
     path; `LMCR_REQUIRE_NATIVE=1` sets it."""
     ssl_ca_certs: str | None = None
@@ -111,7 +112,7 @@ class CacheConfig:
     get logged). With it values are written with a MAC (keyed BLAKE3 over header, parts and
     chunk key) and only values whose MAC verifies are served; others are misses, left in
     place (`remote.unauthenticated_chunks`). None: no MAC, Redis is trusted. The key is read
-    when the remote tier starts (`lmcache_remote.integrity`); docs/reliability.md's threat
+    when the remote tier starts (`lmcache_remote.values.integrity`); docs/reliability.md's threat
     model says what it protects."""
     save_only_first_rank: bool = False
     """MLA models only: every tensor-parallel rank holds the same latent KV, so rank 0 alone

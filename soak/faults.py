@@ -31,8 +31,8 @@ from typing import Any
 
 import redis
 
-from lmcache_remote.keys import PART_SEP, scan_pattern
-from lmcache_remote.serde import MAGIC
+from lmcache_remote.naming.keys import PART_SEP, scan_pattern
+from lmcache_remote.values.serde import MAGIC
 from tests.servers import RedisServer
 
 ROTATION = ("pause", "client-kill", "corrupt", "slow-link", "debug-sleep", "delete-parts",

@@ -10,7 +10,7 @@ import redis
 
 from lmcache_remote.admin import parse_duration
 from lmcache_remote.admin.snapshot import SnapshotError, SnapshotReader, SnapshotWriter
-from lmcache_remote.keys import engine_stats_key, scan_pattern
+from lmcache_remote.naming.keys import engine_stats_key, scan_pattern
 from lmcache_remote.storage.scan import scan_batches, scan_keys
 
 

@@ -13,7 +13,7 @@ import redis
 from cliutil import chunk_keys, fill, run, run_json
 from kvutil import tokens
 
-from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.naming.keys import CacheEngineKey
 
 
 def _setup(url: str, client: redis.Redis, prefix: str) -> tuple[set[bytes], set[bytes]]:

@@ -15,7 +15,7 @@ from cliutil import chunk_keys, fill, run, run_json
 from kvutil import engine, metadata, tokens, view
 from lmcache_remote_cli.main import cli
 
-from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.naming.keys import CacheEngineKey
 
 ROOT = Path(__file__).resolve().parent.parent
 

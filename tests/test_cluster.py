@@ -25,8 +25,8 @@ from lmcache_remote_cli.main import cli
 from redis.cluster import RedisCluster
 
 from lmcache_remote import CacheConfig, CacheEngineKey, PagedKV
-from lmcache_remote.hashing import chunk_hashes, tokens_to_array
-from lmcache_remote.keys import scan_pattern, split_part_key
+from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
+from lmcache_remote.naming.keys import scan_pattern, split_part_key
 from lmcache_remote.storage.client import make_client
 from lmcache_remote.storage.cluster_tier import ClusterRedisTier
 from tests import kvutil

@@ -179,8 +179,8 @@ def row_copier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
     if request.param and wire is None:
         if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
-            pytest.fail("lmcache_remote._wire is not built")
-        pytest.skip("lmcache_remote._wire is not built here")
+            pytest.fail("lmcache_remote.native._wire is not built")
+        pytest.skip("lmcache_remote.native._wire is not built here")
     monkeypatch.setattr(rows, "NATIVE_ROWS", request.param)
     return bool(request.param)
 

@@ -18,7 +18,7 @@ import torch
 from kvutil import engine, tokens, view
 from prometheus_client import CollectorRegistry
 
-from lmcache_remote import prometheus
+from lmcache_remote.telemetry import prometheus
 from tests.servers import RedisServer
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"

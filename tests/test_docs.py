@@ -12,9 +12,9 @@ import pytest
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import ConfigError
-from lmcache_remote.keys import CacheEngineKey, engine_stats_key, probe_key
-from lmcache_remote.serde import header_nbytes
-from lmcache_remote.sizing import plan_part_size
+from lmcache_remote.naming.keys import CacheEngineKey, engine_stats_key, probe_key
+from lmcache_remote.values.serde import header_nbytes
+from lmcache_remote.values.sizing import plan_part_size
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -113,3 +113,36 @@ def test_the_package_and_pyproject_name_one_release() -> None:
 
     declared = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
     assert declared is not None and declared.group(1) == __version__
+
+
+def test_every_module_and_path_the_docs_name_is_there() -> None:
+    """A path (`lmcache_remote/...`) or a dotted name (`lmcache_remote.x.y`, a module and at
+    most its attributes) in the docs names what the tree holds: the docs follow the folders.
+    A dotted name may also be a logger the package logs to by that name."""
+    package = ROOT / "lmcache_remote"
+    source = "\n".join(p.read_text() for p in package.rglob("*.py"))
+    loggers = set(re.findall(r'getLogger\("(lmcache_remote[\w.]*)"\)', source))
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+            *sorted((ROOT / "benchmarks").glob("*.md"))]
+    wrong = []
+    for doc in docs:
+        text = doc.read_text()
+        for path in set(re.findall(r"\blmcache_remote/[\w./*]*[\w*]", text)):
+            if not list(ROOT.glob(path)):
+                wrong.append(f"{doc.name}: {path}")
+        for dotted in set(re.findall(r"\blmcache_remote(?:\.\w+)+", text)):
+            if dotted in loggers:
+                continue
+            parts = dotted.split(".")
+            depth = max((n for n in range(1, len(parts) + 1)
+                         if (ROOT.joinpath(*parts[:n]).with_suffix(".py").is_file()
+                             or ROOT.joinpath(*parts[:n], "__init__.py").is_file()
+                             or parts[:n] == ["lmcache_remote", "native", "_wire"])),
+                        default=0)
+            module = ROOT.joinpath(*parts[:depth])
+            code = (module.with_suffix(".py").read_text() if module.with_suffix(".py").is_file()
+                    else (module / "__init__.py").read_text() if module.is_dir() else "")
+            attributes = parts[depth:]
+            if depth == 0 or len(attributes) > 1 or (attributes and attributes[0] not in code):
+                wrong.append(f"{doc.name}: {dotted}")
+    assert sorted(wrong) == []

@@ -1,4 +1,4 @@
-"""Model fingerprints (`lmcache_remote.fingerprint`, docs/key-schema.md "Model fingerprint"):
+"""Model fingerprints (`lmcache_remote.naming.fingerprint`, docs/key-schema.md "Model fingerprint"):
 what changes them, what does not, the documented worked example, and two folders of one name
 with different weights never sharing a chunk (real Redis, the transformers integration).
 vLLM's connector computing the same namespace as transformers for the same files is tested
@@ -17,14 +17,14 @@ import torch
 from hfutil import CHUNK, prompt, tiny_model
 
 from lmcache_remote import CacheConfig
-from lmcache_remote.fingerprint import (
+from lmcache_remote.integrations.huggingface import CachedLM, engine_metadata
+from lmcache_remote.naming.fingerprint import (
     FingerprintError,
     model_fingerprint,
     model_name_of,
     namespace,
     resolve_fingerprint,
 )
-from lmcache_remote.integrations.huggingface import CachedLM, engine_metadata
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "key-schema.md"
 

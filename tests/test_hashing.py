@@ -5,7 +5,7 @@ import pytest
 import torch
 from kvutil import reference_hashes
 
-from lmcache_remote.hashing import KeyNamespace, TokenDatabase, chunk_hashes, tokens_to_array
+from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase, chunk_hashes, tokens_to_array
 
 NS = KeyNamespace("m", 1, 0, "bfloat16")
 
@@ -64,7 +64,7 @@ def test_mask_skips_prefix_and_is_validated() -> None:
 
 def test_a_namespace_checks_its_fields_once_and_makes_the_keys_a_checked_key_would_be() -> None:
     from lmcache_remote.errors import KeyFormatError
-    from lmcache_remote.keys import CacheEngineKey
+    from lmcache_remote.naming.keys import CacheEngineKey
 
     for bad in (("", 1, 0, "bfloat16"), ("m", 1, 1, "bfloat16"), ("m", 1, 0, "Bad dtype")):
         with pytest.raises(KeyFormatError):

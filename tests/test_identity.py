@@ -13,9 +13,13 @@ import pytest
 import torch
 
 from lmcache_remote import CacheConfig, CacheEngine, DenseKV, EngineMetadata
-from lmcache_remote.fingerprint import adapter_fingerprint, adapter_signature, model_fingerprint
-from lmcache_remote.hashing import chunk_hashes, tokens_to_array
-from lmcache_remote.identity import EmbedsDigests, MMItem, RequestIdentity, embeds_digests
+from lmcache_remote.naming.fingerprint import (
+    adapter_fingerprint,
+    adapter_signature,
+    model_fingerprint,
+)
+from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
+from lmcache_remote.naming.identity import EmbedsDigests, MMItem, RequestIdentity, embeds_digests
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "key-schema.md"
 AD = "a1-00112233445566778899aabbccddeeff"

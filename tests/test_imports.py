@@ -10,22 +10,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lmcache_remote"
 
-#: Layers from the bottom. A module may import its own group and the layers below; groups of
-#: one layer do not import each other.
+#: Layers from the bottom, each a list of groups: the package root's entries (a module or a
+#: folder, docs/architecture.md). A module may import its own group and the layers below;
+#: groups of one layer do not import each other. The first four layers are the core.
 LAYERS: list[list[str]] = [
-    ["core"],
+    ["errors", "version"],
+    ["native", "naming", "telemetry", "urls"],
+    ["values"],
+    ["config"],
     ["connectors", "storage"],
     ["engine", "admin"],
     ["integrations"],
 ]
-#: The modules of the engine group (the rest of the top level is core).
-ENGINE = {"engine", "engine_metadata", "promises", "store_batch", "startup", "reporting",
-          "prometheus"}
+#: Entries of the package root that are not modules of a layer.
+NOT_CODE = {"__init__.py", "py.typed", "__pycache__"}
 
 
 def modules() -> dict[str, Path | None]:
     """Dotted name -> source file (None for the C extension)."""
-    found: dict[str, Path | None] = {"lmcache_remote._wire": None}
+    found: dict[str, Path | None] = {"lmcache_remote.native._wire": None}
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
@@ -73,10 +76,7 @@ def group(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "package"  # lmcache_remote/__init__.py: the public API, re-exports
-    top = parts[1]
-    if top in ("connectors", "storage", "admin", "integrations"):
-        return top
-    return "engine" if top in ENGINE else "core"
+    return parts[1]
 
 
 def layer(group_name: str) -> int:
@@ -139,7 +139,27 @@ def test_the_library_never_imports_the_cli() -> None:
 def test_the_layers_are_read_right() -> None:
     """The checks above see real edges: a few this tree is known to have."""
     graph = edges()
-    assert "lmcache_remote.storage.manager" in graph["lmcache_remote.engine"]
-    assert "lmcache_remote._wire" in graph["lmcache_remote.native"]
+    assert "lmcache_remote.storage.manager" in graph["lmcache_remote.engine.cache_engine"]
+    assert "lmcache_remote.native._wire" in graph["lmcache_remote.native"]
+    assert "lmcache_remote.values.integrity" in graph["lmcache_remote.config"]
     assert group("lmcache_remote.integrations.vllm.connector") == "integrations"
     assert layer(group("lmcache_remote.storage.bulk")) < layer(group("lmcache_remote.engine"))
+    assert layer(group("lmcache_remote.values.serde")) < layer(group("lmcache_remote.config"))
+
+
+def test_every_entry_of_the_package_root_has_its_layer() -> None:
+    """The folder listing is the map: each module or folder at the root is one group of
+    `LAYERS`, so a new one is placed in a layer (and in docs/architecture.md) when it lands."""
+    placed = {name for names in LAYERS for name in names}
+    entries = {path.stem if path.suffix == ".py" else path.name
+               for path in PACKAGE.iterdir()
+               if path.name not in NOT_CODE and path.suffix != ".so"}
+    assert entries == placed
+
+
+def test_the_architecture_page_lists_the_root() -> None:
+    """docs/architecture.md's folder listing names every entry of the package root."""
+    listing = (ROOT / "docs" / "architecture.md").read_text().split("```")[1]
+    named = {line.split()[0].rstrip("/").removesuffix(".py")
+             for line in listing.splitlines()[1:] if line.strip()}
+    assert {name for names in LAYERS for name in names} <= named

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from kvutil import engine, reference_keys
 
 from lmcache_remote import CacheEngine, CacheEngineKey, KeyFormatError
-from lmcache_remote.keys import split_part_key
-from lmcache_remote.serde import Serde
+from lmcache_remote.naming.keys import split_part_key
+from lmcache_remote.values.serde import Serde
 
 CHUNK = 256
 N_CHUNKS = 3

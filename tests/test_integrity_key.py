@@ -30,10 +30,10 @@ from faultkit import check_retrieve, det_kv, sentinel_kv
 from lmcache_remote_cli.main import cli
 
 from lmcache_remote import CacheConfig, ConfigError, load_config
-from lmcache_remote.integrity import DOMAIN, KDF_CONTEXT, IntegrityKey, load_integrity_key
-from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.serde import Serde
-from lmcache_remote.value_format import (
+from lmcache_remote.naming.keys import CacheEngineKey
+from lmcache_remote.values.integrity import DOMAIN, KDF_CONTEXT, IntegrityKey, load_integrity_key
+from lmcache_remote.values.serde import Serde
+from lmcache_remote.values.value_format import (
     AUTHENTICATED,
     HEADER_CHECKSUM,
     HEADER_FIXED,
@@ -266,7 +266,7 @@ def test_damage_under_a_key_is_still_deleted(
 _V1_ONLY = textwrap.dedent("""
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
-    import lmcache_remote.value_format as value_format
+    import lmcache_remote.values.value_format as value_format
     value_format.AUTHENTICATED = 0  # a release that knows format version 1 only (before the MAC)
     import faultkit, kvutil
     url, prefix, seed = sys.argv[1:4]
@@ -413,7 +413,7 @@ def test_integrity_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     loose = tmp_path / "loose.key"
     loose.write_bytes(KEY)
     loose.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="lmcache_remote.integrity"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_remote.values.integrity"):
         assert load_integrity_key(f"file:{loose}") is not None
     assert "chmod 600" in caplog.text
     monkeypatch.setenv("LMCR_INTEGRITY_KEY", "env:LMCR_TEST_KEY")

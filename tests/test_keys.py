@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_remote import CacheEngineKey, KeyFormatError
-from lmcache_remote.keys import scan_pattern, split_part_key
+from lmcache_remote.naming.keys import scan_pattern, split_part_key
 
 H = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 

@@ -13,9 +13,9 @@ import torch
 from kvutil import mla_writer, packed_writer, tiled_writer, vnni_writer
 
 from lmcache_remote.connectors import BlockMap, PagedKV
+from lmcache_remote.connectors.layout_proof import LayoutUnproven, find_block_map
 from lmcache_remote.integrations.vllm_core import RequestPlan, Span, WorkerSide, load_settings
 from lmcache_remote.integrations.vllm_core.proof import proven_layout
-from lmcache_remote.layout_proof import LayoutUnproven, find_block_map
 
 B, H, D = 32, 2, 8
 
@@ -129,7 +129,7 @@ def test_mla_latent_is_proven() -> None:
 
 def test_the_guess_that_the_op_contradicts_is_refused_by_the_proof() -> None:
     """Reading a tiled cache as packed (the connector's old mistake) fails the proof."""
-    from lmcache_remote.layout_proof import prove
+    from lmcache_remote.connectors.layout_proof import prove
 
     layers = [_cache()]
     writer = tiled_writer(layers[0])

@@ -9,10 +9,10 @@ import torch
 from kvutil import engine, metadata, tokens, view
 from prometheus_client import CollectorRegistry, generate_latest
 
-from lmcache_remote import prometheus
-from lmcache_remote.keys import engine_stats_key
-from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics
-from lmcache_remote.reporting import _host
+from lmcache_remote.engine.reporting import _host
+from lmcache_remote.naming.keys import engine_stats_key
+from lmcache_remote.telemetry import prometheus
+from lmcache_remote.telemetry.metrics import LATENCY_BUCKETS, Metrics
 from tests.faultkit import bound, timed, wait_for
 from tests.servers import free_port, listen_addresses
 

@@ -13,7 +13,7 @@ import torch
 
 from lmcache_remote import load_config
 from lmcache_remote.errors import KeyFormatError
-from lmcache_remote.keys import (
+from lmcache_remote.naming.keys import (
     CacheEngineKey,
     PageKey,
     page_scan_pattern,

@@ -21,14 +21,14 @@ import torch
 from kvutil import tier_chunks
 
 from lmcache_remote import CacheConfig
-from lmcache_remote.hashing import ChunkSpec, KeyNamespace, TokenDatabase
-from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
-from lmcache_remote.metrics import Metrics
+from lmcache_remote.naming.hashing import ChunkSpec, KeyNamespace, TokenDatabase
 from lmcache_remote.storage import redis_commands, redis_tier
 from lmcache_remote.storage.lanes import background_reads
+from lmcache_remote.storage.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.storage.redis_commands import ByteBudget, command_key
 from lmcache_remote.storage.redis_tier import RedisTier
 from lmcache_remote.storage.resp import pack
+from lmcache_remote.telemetry.metrics import Metrics
 
 LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)  # 8 KiB per 64-token chunk
 DB = TokenDatabase(KeyNamespace("lanes/model", 1, 0, "bfloat16"), 64, save_unfull_chunk=False)

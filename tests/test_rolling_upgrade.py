@@ -26,7 +26,7 @@ CHUNK = 256
 _SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
-    import lmcache_remote.value_format as value_format
+    import lmcache_remote.values.value_format as value_format
     value_format.FORMAT_VERSION = 2  # the next release
     import faultkit, kvutil
     url, prefix, op, seed = sys.argv[1:5]

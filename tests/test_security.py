@@ -274,7 +274,7 @@ def prometheus_text() -> str:
     try:
         from prometheus_client import CollectorRegistry, generate_latest
 
-        from lmcache_remote.prometheus import collector
+        from lmcache_remote.telemetry.prometheus import collector
     except ImportError:  # the exporter is optional; without it there is nothing to leak
         return ""
     registry = CollectorRegistry()

@@ -18,7 +18,7 @@ from lmcache_remote_cli.main import cli
 from redis.sentinel import SentinelConnectionPool
 
 from lmcache_remote import CacheEngine, PagedKV
-from lmcache_remote.keys import scan_pattern
+from lmcache_remote.naming.keys import scan_pattern
 from tests import kvutil
 from tests.cluster_servers import SERVICE, SentinelSetup
 from tests.servers import RedisServer, ServerNotFoundError, ServerStartError

@@ -24,7 +24,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmcache_remote.errors import CorruptEntryError, ForeignEntryError, SerdeError
-from lmcache_remote.serde import (
+from lmcache_remote.values.serde import (
     CODECS,
     DEFAULT_PART_SIZE,
     DTYPE_CODES,

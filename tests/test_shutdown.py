@@ -18,11 +18,11 @@ import torch
 from kvutil import tier_chunks
 
 from lmcache_remote import CacheConfig
-from lmcache_remote.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.memory import ChunkLayout, MemoryPool
-from lmcache_remote.metrics import Metrics
+from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
+from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
 from lmcache_remote.storage.redis_tier import RedisTier
 from lmcache_remote.storage.write_behind import PendingWrites, WriteBehindQueue
+from lmcache_remote.telemetry.metrics import Metrics
 
 LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)
 DB = TokenDatabase(KeyNamespace("shutdown/model", 1, 0, "bfloat16"), 64, save_unfull_chunk=False)

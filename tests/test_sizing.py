@@ -1,5 +1,5 @@
-"""Part sizes planned to fit Redis's allocator (lmcache_remote/sizing.py): the size classes, the
-plan's guarantees, and what a real redis-server allocates for chunks cut with and without it."""
+"""Part sizes planned to fit Redis's allocator (lmcache_remote/values/sizing.py): the size classes,
+the plan's guarantees, and what a real redis-server allocates for chunks cut with and without it."""
 
 from __future__ import annotations
 
@@ -11,12 +11,18 @@ from hypothesis import strategies as st
 from servers import RedisServer
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.memory import ChunkLayout, MemoryPool
-from lmcache_remote.metrics import Metrics
-from lmcache_remote.serde import DEFAULT_PART_SIZE, Serde
-from lmcache_remote.sizing import ALIGN, max_part_count, plan_cost, plan_part_size, size_class
+from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
+from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
 from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.telemetry.metrics import Metrics
+from lmcache_remote.values.serde import DEFAULT_PART_SIZE, Serde
+from lmcache_remote.values.sizing import (
+    ALIGN,
+    max_part_count,
+    plan_cost,
+    plan_part_size,
+    size_class,
+)
 
 
 def test_size_classes_are_jemallocs() -> None:

@@ -124,7 +124,7 @@ def test_page_calls_on_a_slow_cluster_link_end_within_the_timeout(key_prefix: st
     cluster pipeline); now the read and the lookup each end within the timeout, and what came
     is a leading run of exact pages."""
     from lmcache_remote import load_config
-    from lmcache_remote.keys import PageKey
+    from lmcache_remote.naming.keys import PageKey
     from lmcache_remote.storage.pages import PageStore
     from tests.cluster_servers import ClusterServers
     from tests.servers import RedisServer

@@ -1,5 +1,5 @@
-"""The start-up line (`lmcache_remote.startup`): one INFO line per process and component, with
-the version, namespace, native loop, connection count and the configuration, no secret in it;
+"""The start-up line (`lmcache_remote.engine.startup`): one INFO line per process and component,
+with the version, namespace, native loop, connection count and the configuration, no secret in it;
 `require_native` makes a missing C extension an error that says why."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import pytest
 import torch
 from kvutil import engine, packed_writer
 
-from lmcache_remote import CacheConfig, ConfigError, __version__, startup
-from lmcache_remote.hashing import KeyNamespace
+from lmcache_remote import CacheConfig, ConfigError, __version__
+from lmcache_remote.engine import startup
 from lmcache_remote.integrations.vllm_core import KVGeometry, PrefixLookup, load_settings
 from lmcache_remote.integrations.vllm_core.worker import WorkerSide
+from lmcache_remote.naming.hashing import KeyNamespace
 from tests.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,9 +88,9 @@ def test_once_per_process_start(redis_url: str, key_prefix: str) -> None:
 
 def _without_extension(body: str, env: dict[str, str] | None = None
                        ) -> subprocess.CompletedProcess[str]:
-    """Run `body` in a process where lmcache_remote._wire cannot be imported (as after a
+    """Run `body` in a process where lmcache_remote.native._wire cannot be imported (as after a
     build without a compiler)."""
-    code = "import sys\nsys.modules['lmcache_remote._wire'] = None\n" + textwrap.dedent(body)
+    code = "import sys\nsys.modules['lmcache_remote.native._wire'] = None\n" + textwrap.dedent(body)
     full_env = {k: v for k, v in os.environ.items() if k != "LMCR_REQUIRE_NATIVE"}
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -115,9 +116,9 @@ def test_require_native_fails_without_the_extension() -> None:
     assert "STARTED" in off.stdout, off.stderr
     said = [x for x in off.stderr.splitlines() if x.startswith("lmcache_remote.startup|")]
     assert len(said) == 1 and "native loop off, native rows off (C extension not built: " \
-        "ModuleNotFoundError: import of lmcache_remote._wire halted" in said[0]
+        "ModuleNotFoundError: import of lmcache_remote.native._wire halted" in said[0]
     on = _without_extension(body.replace("{flag}", "True"))
-    assert "REFUSED require_native: the C extension lmcache_remote._wire is not available " \
+    assert "REFUSED require_native: the C extension lmcache_remote.native._wire is not available " \
         "(ModuleNotFoundError: " in on.stdout, on.stdout + on.stderr
     assert "python3-dev" in on.stdout
     # the environment variable alone, on a config built without load_config

@@ -170,13 +170,13 @@ def test_a_chunk_queued_or_being_written_is_not_queued_again(private_redis) -> N
 
 
 def _metrics():
-    from lmcache_remote.metrics import Metrics
+    from lmcache_remote.telemetry.metrics import Metrics
 
     return Metrics()
 
 
 def _specs(n: int):
-    from lmcache_remote.hashing import KeyNamespace, TokenDatabase
+    from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
 
     db = TokenDatabase(KeyNamespace("test/model", 1, 0, "bfloat16"), 256, False)
     return db.chunks(tokens(256 * n, seed=600))

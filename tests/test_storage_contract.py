@@ -9,13 +9,13 @@ import torch
 from kvutil import tier_chunks
 
 from lmcache_remote import CacheConfig
-from lmcache_remote.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
-from lmcache_remote.metrics import Metrics
+from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.local_cpu import LocalCPUTier
 from lmcache_remote.storage.manager import StorageManager
+from lmcache_remote.storage.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.telemetry.metrics import Metrics
 
 LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)
 DB = TokenDatabase(KeyNamespace("contract/model", 1, 0, "bfloat16"), 64, save_unfull_chunk=True)

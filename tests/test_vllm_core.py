@@ -18,8 +18,6 @@ import torch
 from kvutil import chunk_heads, packed_writer
 
 from lmcache_remote import CacheConfig, CacheEngine, ConfigError, DenseKV
-from lmcache_remote.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.identity import RequestIdentity
 from lmcache_remote.integrations.vllm_core import (
     CachedRequest,
     KVGeometry,
@@ -34,6 +32,8 @@ from lmcache_remote.integrations.vllm_core import (
     slot_mapping,
 )
 from lmcache_remote.integrations.vllm_core.worker import WorkerSide
+from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
+from lmcache_remote.naming.identity import RequestIdentity
 
 C, B = 256, 16
 

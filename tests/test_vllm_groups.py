@@ -18,7 +18,6 @@ import redis
 import torch
 
 from lmcache_remote import CacheConfig, CacheEngine, DenseKV
-from lmcache_remote.hashing import TokenDatabase
 from lmcache_remote.integrations.vllm_core import (
     KVGeometry,
     NewRequest,
@@ -36,6 +35,7 @@ from lmcache_remote.integrations.vllm_core.groups import (
     plain,
 )
 from lmcache_remote.integrations.vllm_core.lookup import GroupLookup
+from lmcache_remote.naming.hashing import TokenDatabase
 
 C, B = 256, 128
 GEOMETRY = KVGeometry(2, 2, 8, torch.bfloat16, False)

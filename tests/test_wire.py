@@ -1,10 +1,10 @@
 """The bulk RESP executor (storage/bulk.py) against real servers: replies of every kind, error
 replies per command, values received in place, and connections that time out or break.
 
-Every test that reads replies runs twice, once with the Python reader and once with the native
-loop (lmcache_remote/_wire_resp.c): the two must agree on every reply and every error. The native
-runs are skipped where the extension was not built, unless LMCR_REQUIRE_NATIVE=1 (the test
-command sets it), which makes them fail instead."""
+Every test that reads replies runs twice, once with the Python reader and once with the native loop
+(lmcache_remote/native/_wire_resp.c): the two must agree on every reply and every error. The native
+runs are skipped where the extension was not built, unless LMCR_REQUIRE_NATIVE=1 (the test command
+sets it), which makes them fail instead."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def native(request: pytest.FixtureRequest) -> bool:
     """Which reader the test's `BulkPipeline` uses."""
     if request.param and wire_mod._native is None:
         if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
-            pytest.fail("lmcache_remote._wire is not built (pip install -e . builds it)")
-        pytest.skip("lmcache_remote._wire is not built here")
+            pytest.fail("lmcache_remote.native._wire is not built (pip install -e . builds it)")
+        pytest.skip("lmcache_remote.native._wire is not built here")
     return bool(request.param)
 
 
@@ -156,8 +156,8 @@ def test_the_loops_digests_are_the_xxhash_packages() -> None:
 
     if wire_mod._native is None:
         if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
-            pytest.fail("lmcache_remote._wire is not built")
-        pytest.skip("lmcache_remote._wire is not built here")
+            pytest.fail("lmcache_remote.native._wire is not built")
+        pytest.skip("lmcache_remote.native._wire is not built here")
     assert native_mod.DIGESTS
     data = os.urandom(1 << 20)
     for n in [0, 1, 2, 3, 4, 7, 8, 9, 16, 17, 100, 128, 129, 239, 240, 241, 1000, 1024, 4096,
@@ -276,10 +276,10 @@ def _stored_chunks(redis_url: str, key_prefix: str, heads: int, head_dim: int,
     filled with i. Returns the tier, the specs and the written chunks."""
     import torch
 
-    from lmcache_remote.hashing import KeyNamespace, TokenDatabase
-    from lmcache_remote.memory import ChunkLayout, MemoryPool
-    from lmcache_remote.metrics import Metrics
+    from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
+    from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
     from lmcache_remote.storage.redis_tier import RedisTier
+    from lmcache_remote.telemetry.metrics import Metrics
 
     layout = ChunkLayout(4, heads, head_dim, torch.bfloat16)
     db = TokenDatabase(KeyNamespace("wire/tier", 1, 0, "bfloat16"), 256, save_unfull_chunk=True)
@@ -529,8 +529,8 @@ def test_a_raw_get_on_the_native_loop_checks_its_loops_digests(
     import torch
 
     from lmcache_remote import native as native_mod
-    from lmcache_remote import serde as serde_mod
-    from lmcache_remote import value_format
+    from lmcache_remote.values import serde as serde_mod
+    from lmcache_remote.values import value_format
 
     if wire_mod._native is None or not native_mod.DIGESTS:
         if os.environ.get("LMCR_REQUIRE_NATIVE") == "1":
@@ -582,10 +582,10 @@ def test_tier_reads_chunks_written_with_other_codec_or_part_size(
     monkeypatch.setattr(wire_mod, "NATIVE", native)
     import torch
 
-    from lmcache_remote.hashing import KeyNamespace, TokenDatabase
-    from lmcache_remote.memory import ChunkLayout, MemoryPool
-    from lmcache_remote.metrics import Metrics
+    from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
+    from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
     from lmcache_remote.storage.redis_tier import RedisTier
+    from lmcache_remote.telemetry.metrics import Metrics
 
     layout = ChunkLayout(2, 2, 8, torch.bfloat16)
     db = TokenDatabase(KeyNamespace("wire/model", 1, 0, "bfloat16"), 64, save_unfull_chunk=True)

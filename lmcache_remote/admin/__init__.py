@@ -56,10 +56,10 @@ from lmcache_remote.errors import (
     KeyFormatError,
     LmcrError,
 )
-from lmcache_remote.keys import CacheEngineKey, PageKey, split_page_part_key, split_part_key
-from lmcache_remote.serde import Serde, dtype_name
+from lmcache_remote.naming.keys import CacheEngineKey, PageKey, split_page_part_key, split_part_key
 from lmcache_remote.storage.access import check_access
 from lmcache_remote.storage.client import make_client, translate
+from lmcache_remote.values.serde import Serde, dtype_name
 
 __all__ = [
     "CacheAdmin",

@@ -23,9 +23,20 @@ import redis
 from lmcache_remote.admin.filters import EntryFilter
 from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.errors import CorruptEntryError, ForeignEntryError, KeyFormatError
-from lmcache_remote.keys import CacheEngineKey, PageKey, page_scan_pattern, split_page_part_key
-from lmcache_remote.serde import AUTHENTICATED, HEADER_FIXED, Serde, ValueHeader, header_nbytes
+from lmcache_remote.naming.keys import (
+    CacheEngineKey,
+    PageKey,
+    page_scan_pattern,
+    split_page_part_key,
+)
 from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches
+from lmcache_remote.values.serde import (
+    AUTHENTICATED,
+    HEADER_FIXED,
+    Serde,
+    ValueHeader,
+    header_nbytes,
+)
 
 HEADER_READ = 4096
 _SERDE = Serde("raw")

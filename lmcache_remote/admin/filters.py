@@ -12,8 +12,8 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from lmcache_remote.hashing import chunk_hashes, tokens_to_array
-from lmcache_remote.keys import CacheEngineKey, scan_pattern, split_part_key
+from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
+from lmcache_remote.naming.keys import CacheEngineKey, scan_pattern, split_part_key
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -35,7 +35,12 @@ from lmcache_remote.admin.snapshot import (
     SnapshotWriter,
 )
 from lmcache_remote.errors import KeyFormatError
-from lmcache_remote.keys import absolute_key, relative_key, split_page_part_key, split_part_key
+from lmcache_remote.naming.keys import (
+    absolute_key,
+    relative_key,
+    split_page_part_key,
+    split_part_key,
+)
 from lmcache_remote.storage.redis_commands import chunk_write_command, iter_windows
 
 WINDOW_BYTES = 64 * 1024 * 1024

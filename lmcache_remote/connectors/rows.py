@@ -5,7 +5,7 @@ second copy cost ~4x on 32 MiB chunks; in all ~4x faster than staging).
 A chunk's `[layer, plane]` part is `[tokens, heads * head_size]` rows; the cache's plane is
 `rows` rows: blocks (whole blocks at a time, where a range covers whole blocks in order,
 vLLM's usual mapping) or single slots otherwise. The copies run in the native `copy_rows`
-(lmcache_remote/_wire_rows.c: one call per copy thread that gives the GIL up once for all of
+(lmcache_remote/native/_wire_rows.c: one call per copy thread that gives the GIL up once for all of
 its rows) where it is built and `NATIVE_ROWS`, else as `index_select` to gather and numpy row
 assignment to scatter (~4x faster than `index_copy_`); either way split over the copy threads
 (pool.py). Both give the same bytes: the torch / numpy copies are the fallback and the
@@ -75,7 +75,7 @@ class RowCopier:
     def _copy_native(
         self, layers: range, group: list[tuple[Range, torch.Tensor]], to_host: bool
     ) -> bool:
-        """`copy`'s row copies in `lmcache_remote._wire.copy_rows`: the same rows, one
+        """`copy`'s row copies in `lmcache_remote.native._wire.copy_rows`: the same rows, one
         call per copy thread that gives the GIL up once for all of them, where the torch /
         numpy copies gave it up per layer, plane and chunk (with another busy Python thread
         in the process each hand-off waits up to the 5 ms switch interval). Only calls that

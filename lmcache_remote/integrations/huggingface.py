@@ -26,17 +26,16 @@ Rules that keep the output equal to a full recompute:
   its own prefix and its own chunks. Prompts of different lengths go in separate calls.
 - Only the prompt's KV is stored, never generated tokens'.
 
-Model namespace (the model field of the cache keys; `engine_metadata`): the model name, then
-`@` and the fingerprint of the weights (`lmcache_remote.fingerprint`, docs/key-schema.md). The
-name is the `model_name` argument when given; otherwise the config's `name_or_path` (what
-`from_pretrained` was called with): a local folder gives its folder name (`/models/tiny-llama`
--> `tiny-llama`), a hub id is used as is (`model_name_for`). The fingerprint is read from the
-files `name_or_path` names (the folder, or the hub id's local snapshot), as vLLM's connector
-reads them: the two share chunks of the same files by default. `model_fingerprint="off"`
-leaves the name alone, any other string is used as the fingerprint. A model built from a
-config has no name and no files: pass `model_name`; its keys then carry the name alone (a
-WARNING says so). Engines that share chunks must have the same namespace, world size and KV
-dtype.
+Model namespace (the model field of the cache keys; `engine.metadata`): the model name, then `@` and
+the fingerprint of the weights (`lmcache_remote.naming.fingerprint`, docs/key-schema.md). The name
+is the `model_name` argument when given; otherwise the config's `name_or_path` (what
+`from_pretrained` was called with): a local folder gives its folder name (`/models/tiny-llama` ->
+`tiny-llama`), a hub id is used as is (`model_name_for`). The fingerprint is read from the files
+`name_or_path` names (the folder, or the hub id's local snapshot), as vLLM's connector reads them:
+the two share chunks of the same files by default. `model_fingerprint="off"` leaves the name alone,
+any other string is used as the fingerprint. A model built from a config has no name and no files:
+pass `model_name`; its keys then carry the name alone (a WARNING says so). Engines that share chunks
+must have the same namespace, world size and KV dtype.
 
 LoRA adapters (peft): a model with an active adapter (a `PeftModel`, or an adapter loaded
 through transformers' `load_adapter`) computes other KV than its base model, so its chunks are
@@ -69,7 +68,7 @@ import torch
 from lmcache_remote.config import CacheConfig, load_config
 from lmcache_remote.connectors import DenseKV
 from lmcache_remote.engine import CacheEngine, EngineMetadata
-from lmcache_remote.fingerprint import (
+from lmcache_remote.naming.fingerprint import (
     adapter_fingerprint,
     model_fingerprint,
     model_folder,
@@ -77,8 +76,8 @@ from lmcache_remote.fingerprint import (
     namespace,
     resolve_fingerprint,
 )
-from lmcache_remote.identity import RequestIdentity
-from lmcache_remote.serde import dtype_name
+from lmcache_remote.naming.identity import RequestIdentity
+from lmcache_remote.values.serde import dtype_name
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

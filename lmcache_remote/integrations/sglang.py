@@ -58,8 +58,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from lmcache_remote.config import CacheConfig, load_config, mask_url
+from lmcache_remote.engine.reporting import new_engine_id
 from lmcache_remote.errors import ConfigError, KeyFormatError
-from lmcache_remote.fingerprint import (
+from lmcache_remote.naming.fingerprint import (
     FingerprintError,
     model_fingerprint,
     model_folder,
@@ -67,12 +68,11 @@ from lmcache_remote.fingerprint import (
     namespace,
     resolve_fingerprint,
 )
-from lmcache_remote.keys import PageKey, engine_stats_key
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.reporting import new_engine_id
-from lmcache_remote.serde import dtype_name
+from lmcache_remote.naming.keys import PageKey, engine_stats_key
 from lmcache_remote.storage.pages import PageStore
 from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.values.serde import dtype_name
 
 logger = logging.getLogger(__name__)
 

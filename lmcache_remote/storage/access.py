@@ -27,7 +27,7 @@ import redis
 
 from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.errors import BackendError, BackendPermissionError, BackendUnavailableError
-from lmcache_remote.keys import probe_key
+from lmcache_remote.naming.keys import probe_key
 from lmcache_remote.storage.client import make_client, translate
 from lmcache_remote.storage.redis_commands import chunk_write_command
 

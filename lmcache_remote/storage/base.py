@@ -21,8 +21,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.naming.hashing import ChunkSpec
+from lmcache_remote.naming.keys import CacheEngineKey
 
 
 class StorageTier(abc.ABC):

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.memory import ChunkLayout, leading_fit
-from lmcache_remote.metrics import Metrics
+from lmcache_remote.naming.hashing import ChunkSpec
+from lmcache_remote.storage.memory import ChunkLayout, leading_fit
+from lmcache_remote.telemetry.metrics import Metrics
 
 
 def queue_share_bytes(config: CacheConfig) -> int:

@@ -38,16 +38,16 @@ Contract:
 - Only plain single-node `redis.Redis` clients qualify (`supports`); a cluster client keeps
   redis-py's pipeline. The executor is per connection pool, so a cluster could use one per node.
 
-Two readers speak this protocol. On a plain TCP or UNIX socket every batch (the GETs of a
-read, the EXISTS of a lookup, the SETs of a write) runs in `lmcache_remote._wire`
-(lmcache_remote/_wire_resp.c, built with the package): values are sent as views by one `sendmsg`
-per 1024 buffers, each bulk payload is read by one ``readv`` into its destination and a small
-tail buffer, no copy through a receive buffer, and with no sink or a list of places the whole
-batch runs without the GIL, its replies made into Python objects at the end (a callable sink
-is called with the GIL, per bulk reply). TLS sockets, or a build without the extension, run
-in `resp.RespReader`, the Python reference, with the same results and errors
-(tests/test_wire.py runs both). `NATIVE` says whether the native loop is used;
-``LMCR_NATIVE_WIRE=0`` turns it off. Reply arenas are `arena.ArenaPool`'s.
+Two readers speak this protocol. On a plain TCP or UNIX socket every batch (the GETs of a read, the
+EXISTS of a lookup, the SETs of a write) runs in `lmcache_remote.native._wire`
+(lmcache_remote/native/_wire_resp.c, built with the package): values are sent as views by one
+`sendmsg` per 1024 buffers, each bulk payload is read by one ``readv`` into its destination and a
+small tail buffer, no copy through a receive buffer, and with no sink or a list of places the whole
+batch runs without the GIL, its replies made into Python objects at the end (a callable sink is
+called with the GIL, per bulk reply). TLS sockets, or a build without the extension, run in
+`resp.RespReader`, the Python reference, with the same results and errors (tests/test_wire.py runs
+both). `NATIVE` says whether the native loop is used; ``LMCR_NATIVE_WIRE=0`` turns it off. Reply
+arenas are `arena.ArenaPool`'s.
 """
 
 
@@ -115,7 +115,7 @@ class BulkPipeline:
         self.pool = client.connection_pool
         self._connection_args = _connection_args(self.pool)
         if native and _native is None:
-            raise RuntimeError("lmcache_remote._wire is not built (see setup.py)")
+            raise RuntimeError("lmcache_remote.native._wire is not built (see setup.py)")
         self.native = NATIVE if native is None else native
 
     def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None, *,

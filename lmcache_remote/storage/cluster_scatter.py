@@ -41,13 +41,13 @@ from redis.exceptions import AskError, MovedError, TryAgainError
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, BackendUnavailableError
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.bulk import BulkPipeline, Seal
 from lmcache_remote.storage.client import RemoteCaller, make_client, translate
 from lmcache_remote.storage.health import HealthGate
 from lmcache_remote.storage.redis_commands import command_key
 from lmcache_remote.storage.remote_lookup import shut_down_in_use
 from lmcache_remote.storage.resp import Reply, Sink
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 

@@ -32,15 +32,15 @@ from redis.cluster import RedisCluster
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendUnavailableError
-from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import ChunkLayout, MemoryPool
-from lmcache_remote.metrics import Metrics
+from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage.bulk import Seal, apply_seals
 from lmcache_remote.storage.cluster_scatter import ClusterScatter, Command, Receive, failed
+from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
 from lmcache_remote.storage.redis_commands import chunk_write_command
 from lmcache_remote.storage.redis_tier import Allocator, RedisTier
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.resp import Reply
+from lmcache_remote.telemetry.metrics import Metrics
 
 
 class _Unconnected:

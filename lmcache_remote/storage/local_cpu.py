@@ -18,11 +18,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import MemoryObj
-from lmcache_remote.metrics import Metrics
+from lmcache_remote.naming.hashing import ChunkSpec
+from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage.base import StorageTier
+from lmcache_remote.storage.memory import MemoryObj
+from lmcache_remote.telemetry.metrics import Metrics
 
 
 class LocalCPUTier(StorageTier):

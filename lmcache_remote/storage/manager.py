@@ -45,13 +45,12 @@ from collections.abc import Sequence
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import ChunkLayout, MemoryObj, MemoryPool
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.naming.hashing import ChunkSpec
+from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage.access import check_access
 from lmcache_remote.storage.budget import queue_share_bytes, read_share_bytes, within_read_share
 from lmcache_remote.storage.local_cpu import LocalCPUTier
+from lmcache_remote.storage.memory import ChunkLayout, MemoryObj, MemoryPool
 from lmcache_remote.storage.tiers import make_remote_tier
 from lmcache_remote.storage.write_behind import (
     PendingWrites,
@@ -61,6 +60,7 @@ from lmcache_remote.storage.write_behind import (
     put_remote,
     timed,
 )
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 #: An allocation that finds the pool full evicts and tries again at most this often (another

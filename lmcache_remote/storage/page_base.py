@@ -40,19 +40,19 @@ from redis.cluster import RedisCluster
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, BackendUnavailableError
-from lmcache_remote.integrity import IntegrityKey, load_integrity_key
-from lmcache_remote.keys import PageKey, page_scan_pattern
-from lmcache_remote.memory import MemoryObj, MemoryPool
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.serde import Serde
-from lmcache_remote.sizing import longest_value
+from lmcache_remote.naming.keys import PageKey, page_scan_pattern
 from lmcache_remote.storage.bulk import BulkPipeline, Seal, supports
 from lmcache_remote.storage.client import RemoteCaller, make_client
 from lmcache_remote.storage.cluster_scatter import ClusterScatter, ClusterWire
 from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.memory import MemoryObj, MemoryPool
 from lmcache_remote.storage.redis_commands import byte_windows
-from lmcache_remote.value_format import checksum
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.values.integrity import IntegrityKey, load_integrity_key
+from lmcache_remote.values.serde import Serde
+from lmcache_remote.values.sizing import longest_value
+from lmcache_remote.values.value_format import checksum
 
 logger = logging.getLogger("lmcache_remote.storage.pages")
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from lmcache_remote.buffers import address
 from lmcache_remote.errors import (
     BackendError,
     CorruptEntryError,
@@ -28,7 +27,8 @@ from lmcache_remote.errors import (
     KeyFormatError,
     UnauthenticatedEntryError,
 )
-from lmcache_remote.keys import PageKey
+from lmcache_remote.naming.keys import PageKey
+from lmcache_remote.native.buffers import address
 from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.page_base import (
     PageCopy,
@@ -40,7 +40,7 @@ from lmcache_remote.storage.page_base import (
 )
 from lmcache_remote.storage.redis_commands import IncompleteChunkError, read_ahead, regroup
 from lmcache_remote.storage.value_checks import authenticate, stored_part
-from lmcache_remote.value_format import ValueHeader, check_identity, header_nbytes
+from lmcache_remote.values.value_format import ValueHeader, check_identity, header_nbytes
 
 #: Why a page whose MAC does not verify over intact parts is not served.
 _UNVERIFIED = "its MAC does not verify under this integrity key"

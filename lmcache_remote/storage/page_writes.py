@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lmcache_remote.errors import BackendError
-from lmcache_remote.keys import PageKey
+from lmcache_remote.naming.keys import PageKey
 from lmcache_remote.storage.bulk import Seal
 from lmcache_remote.storage.page_base import (
     PageCopy,
@@ -31,7 +31,7 @@ from lmcache_remote.storage.page_base import (
 )
 from lmcache_remote.storage.redis_commands import chunk_write_command, value_nbytes
 from lmcache_remote.storage.value_checks import signer_for
-from lmcache_remote.value_format import header_nbytes, header_seal
+from lmcache_remote.values.value_format import header_nbytes, header_seal
 
 
 class PageWrites(PageStoreBase):

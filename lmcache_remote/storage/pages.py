@@ -5,7 +5,7 @@ apart from any engine: every page of one store has the same geometry (a `PageKey
 string, a shape and a dtype), so its part count, and so every key, is known before any round
 trip.
 
-- Values: the project's value format (`lmcache_remote.serde`): a page is one tensor of shape
+- Values: the project's value format (`lmcache_remote.values.serde`): a page is one tensor of shape
   ``page_shape`` (regions x elements), encoded by the configured codec, checksummed, cut into
   parts like a chunk (`remote_part_size`, planned to Redis's size classes), written by one
   atomic command (`chunk_write_command`): whole or absent. The header's chunk-hash field holds

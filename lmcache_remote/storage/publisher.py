@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.storage.client import translate
 from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 FieldValue = str | int | float

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from lmcache_remote.errors import CorruptEntryError
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.value_format import HEADER_FIXED, MAGIC, known_version
+from lmcache_remote.naming.hashing import ChunkSpec
+from lmcache_remote.values.value_format import HEADER_FIXED, MAGIC, known_version
 
 #: Reply bytes asked for and not yet read on the fast read path, at most (`read_ahead`'s cap:
 #: for 32 MiB chunks a little over two of their 3.49 MiB parts), so Redis prepares the next

@@ -23,18 +23,18 @@ from typing import Any
 import redis
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.integrity import IntegrityKey, load_integrity_key
-from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import ChunkLayout, MemoryPool
-from lmcache_remote.metrics import Metrics
-from lmcache_remote.sizing import max_part_count
+from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage import redis_commands
 from lmcache_remote.storage.arena import ArenaPool
 from lmcache_remote.storage.lanes import LanePool
+from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
 from lmcache_remote.storage.redis_commands import ByteBudget
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.remote_reads import Allocator, RemoteReads
 from lmcache_remote.storage.remote_writes import RemoteWrites
+from lmcache_remote.telemetry.metrics import Metrics
+from lmcache_remote.values.integrity import IntegrityKey, load_integrity_key
+from lmcache_remote.values.sizing import max_part_count
 
 __all__ = ["READ_LANES", "WRITE_LANES", "Allocator", "RedisTier"]
 

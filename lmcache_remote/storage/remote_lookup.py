@@ -36,26 +36,26 @@ from typing import Any
 import redis
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.cpus import available_cpus
 from lmcache_remote.errors import (
     BackendError,
     BackendPermissionError,
     BackendTimeoutError,
     BackendUnavailableError,
 )
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.keys import CacheEngineKey, probe_key
-from lmcache_remote.memory import ChunkLayout
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.serde import Serde
-from lmcache_remote.sizing import longest_value
+from lmcache_remote.naming.hashing import ChunkSpec
+from lmcache_remote.naming.keys import CacheEngineKey, probe_key
 from lmcache_remote.storage.bulk import BulkPipeline, supports
 from lmcache_remote.storage.client import RemoteCaller, make_client
+from lmcache_remote.storage.cpus import available_cpus
 from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.memory import ChunkLayout
 from lmcache_remote.storage.redis_commands import listed_part_count
 from lmcache_remote.storage.resp import pack_command
 from lmcache_remote.storage.toucher import Toucher
-from lmcache_remote.value_format import HEADER_FIXED
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.values.serde import Serde
+from lmcache_remote.values.sizing import longest_value
+from lmcache_remote.values.value_format import HEADER_FIXED
 
 logger = logging.getLogger(__name__)
 #: Chunks whose keys (and packed EXISTS) are kept built: the hot prefixes of a million tokens.

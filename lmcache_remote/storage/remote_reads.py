@@ -30,13 +30,12 @@ from lmcache_remote.errors import (
     ForeignEntryError,
     UnauthenticatedEntryError,
 )
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.integrity import IntegrityKey
-from lmcache_remote.memory import MemoryObj
+from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.storage import redis_commands
 from lmcache_remote.storage.arena import ArenaPool
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.deadline import call_deadline
+from lmcache_remote.storage.memory import MemoryObj
 from lmcache_remote.storage.redis_commands import (
     IncompleteChunkError,
     byte_windows,
@@ -46,7 +45,8 @@ from lmcache_remote.storage.redis_commands import (
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.resp import Reply
 from lmcache_remote.storage.value_checks import authenticate, stored_part
-from lmcache_remote.value_format import ValueHeader, check_identity, header_nbytes
+from lmcache_remote.values.integrity import IntegrityKey
+from lmcache_remote.values.value_format import ValueHeader, check_identity, header_nbytes
 
 logger = logging.getLogger(__name__)
 #: Why a chunk whose MAC does not verify over intact parts is not served.

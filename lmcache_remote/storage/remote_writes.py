@@ -21,12 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_remote.errors import BackendError
-from lmcache_remote.integrity import IntegrityKey
-from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import MemoryObj
+from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage import redis_commands
 from lmcache_remote.storage.base import StorageTier
 from lmcache_remote.storage.bulk import Seal
+from lmcache_remote.storage.memory import MemoryObj
 from lmcache_remote.storage.redis_commands import (
     ByteBudget,
     byte_windows,
@@ -35,7 +34,8 @@ from lmcache_remote.storage.redis_commands import (
 )
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.value_checks import signer_for
-from lmcache_remote.value_format import header_seal
+from lmcache_remote.values.integrity import IntegrityKey
+from lmcache_remote.values.value_format import header_seal
 
 
 class RemoteWrites(RemoteLookup, StorageTier):

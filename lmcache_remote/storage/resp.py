@@ -1,6 +1,6 @@
 """RESP on a socket, in Python: command packing, scatter/gather sending, and the reader.
 
-What `bulk.BulkPipeline` sends and reads with (the native loop, lmcache_remote/_wire_resp.c,
+What `bulk.BulkPipeline` sends and reads with (the native loop, lmcache_remote/native/_wire_resp.c,
 speaks the same protocol and takes `packed`'s commands):
 
 - `pack(args)`: the RESP encoding of one command as buffers to send; big values (and any

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 __all__ = ["Toucher"]
 

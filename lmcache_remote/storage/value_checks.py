@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmcache_remote.errors import CorruptEntryError, UnauthenticatedEntryError
-from lmcache_remote.integrity import IntegrityKey
-from lmcache_remote.value_format import Signer, ValueHeader, checksum
+from lmcache_remote.values.integrity import IntegrityKey
+from lmcache_remote.values.value_format import Signer, ValueHeader, checksum
 
 
 def stored_part(header: ValueHeader, index: int, value: Any) -> memoryview:

@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from lmcache_remote.errors import BackendError, BackendPermissionError
-from lmcache_remote.keys import CacheEngineKey
-from lmcache_remote.memory import MemoryObj, leading_fit
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.naming.keys import CacheEngineKey
+from lmcache_remote.storage.memory import MemoryObj, leading_fit
 from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

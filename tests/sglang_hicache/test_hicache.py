@@ -13,7 +13,7 @@ import torch
 from rig import PAGE, Engine, tokens_for
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from lmcache_remote.keys import PageKey, page_scan_pattern, split_page_part_key
+from lmcache_remote.naming.keys import PageKey, page_scan_pattern, split_page_part_key
 
 
 def page_keys(client: redis.Redis, prefix: str) -> list[PageKey]:
@@ -218,7 +218,7 @@ def test_model_namespace_is_the_fingerprint_of_the_files(
     for the same files."""
     from safetensors.torch import save_file
 
-    from lmcache_remote.fingerprint import model_fingerprint
+    from lmcache_remote.naming.fingerprint import model_fingerprint
     save_file({"w": torch.arange(64, dtype=torch.float32)}, str(sglang / "model.safetensors"))
     try:
         round_trip(engines, pages=2, extra={"model_fingerprint": "auto"})

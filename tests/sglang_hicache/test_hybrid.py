@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from lmcache_remote.keys import PageKey, page_scan_pattern, split_page_part_key
+from lmcache_remote.naming.keys import PageKey, page_scan_pattern, split_page_part_key
 
 WINDOW_PAGES = 2  # the SWA window, in pages
 DTYPE = torch.bfloat16

@@ -21,7 +21,7 @@ import redis
 import torch.distributed as dist
 from rig import Engine, start_sglang, tokens_for
 
-from lmcache_remote.keys import PageKey
+from lmcache_remote.naming.keys import PageKey
 
 
 def main() -> None:

@@ -203,9 +203,9 @@ def zero_chunk(redis_url: str, key_prefix: str, tokens: Sequence[int], chunk_siz
     import torch
 
     from lmcache_remote import CacheConfig, CacheEngine, DenseKV, EngineMetadata, PagedKV
-    from lmcache_remote.hashing import chunk_hashes, tokens_to_array
-    from lmcache_remote.keys import scan_pattern, split_part_key
-    from lmcache_remote.value_format import parse_header
+    from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
+    from lmcache_remote.naming.keys import scan_pattern, split_part_key
+    from lmcache_remote.values.value_format import parse_header
 
     end = (index + 1) * chunk_size
     assert len(tokens) >= end, f"{len(tokens)} tokens hold no chunk {index} of {chunk_size}"

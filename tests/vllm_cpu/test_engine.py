@@ -117,7 +117,7 @@ def _namespaces(redis_url: str, key_prefix: str) -> set[str]:
     """The model fields of the chunk keys under `key_prefix`."""
     import redis
 
-    from lmcache_remote.keys import scan_pattern, split_part_key
+    from lmcache_remote.naming.keys import scan_pattern, split_part_key
 
     with redis.Redis.from_url(redis_url) as client:
         keys = [k.decode() for k in client.scan_iter(match=scan_pattern(key_prefix))]

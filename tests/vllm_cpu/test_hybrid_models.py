@@ -61,7 +61,7 @@ import pytest
 import redis
 from enginekit import VOCAB, Fleet, prompt, save_random, zero_chunk
 
-from lmcache_remote.keys import scan_pattern
+from lmcache_remote.naming.keys import scan_pattern
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -100,8 +100,8 @@ def _stored(redis_client: Any, key_prefix: str, tokens: list[int]) -> dict[str, 
     """The chunks under `key_prefix`, by the group tag of their model field (what follows
     `~`; "" for none): the index of each among `tokens`' chunks of `CHUNK` (-1: a chunk of
     other tokens)."""
-    from lmcache_remote.hashing import chunk_hashes, tokens_to_array
-    from lmcache_remote.keys import split_part_key
+    from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
+    from lmcache_remote.naming.keys import split_part_key
 
     index = {digest.hex(): i for i, digest in
              enumerate(chunk_hashes(tokens_to_array(tokens), CHUNK, None, partial=False))}

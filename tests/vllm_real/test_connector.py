@@ -79,9 +79,9 @@ def test_the_keys_name_the_weights_vllm_loads(engines: Engines, redis_url: str,
     stops vLLM at start-up with an error that says what to set."""
     import copy
 
-    from lmcache_remote.fingerprint import FingerprintError, model_fingerprint
     from lmcache_remote.integrations.vllm import model_namespace
     from lmcache_remote.integrations.vllm_core import load_settings
+    from lmcache_remote.naming.fingerprint import FingerprintError, model_fingerprint
 
     engine = engines()
     prefill(engine, "a", prompt(CHUNK + 10, seed=1))
@@ -359,7 +359,7 @@ def _delete_chunk(client: redis.Redis, key_prefix: str, engine: Instance, tokens
                   index: int) -> None:
     lookup = engine.scheduler_connector._lookup
     ns = lookup.namespaces[0]
-    from lmcache_remote.hashing import TokenDatabase
+    from lmcache_remote.naming.hashing import TokenDatabase
 
     spec = TokenDatabase(ns, CHUNK, False).prefix_keys(tokens)[index]
     keys = [k.decode() for k in client.scan_iter(match=spec.key.redis_key(key_prefix) + "*")]
@@ -429,7 +429,7 @@ def test_corrupt_chunk_fails_only_its_blocks_and_later_ones(
     prefill(engines(store_async=False, serde="raw"), "r1", tokens)
     b = engines(local_cpu=False)
     ns = b.scheduler_connector._lookup.namespaces[0]
-    from lmcache_remote.hashing import TokenDatabase
+    from lmcache_remote.naming.hashing import TokenDatabase
 
     key = TokenDatabase(ns, CHUNK, False).prefix_keys(tokens)[1].key.redis_key(key_prefix)
     value = bytearray(redis_client.get(key))
@@ -552,7 +552,7 @@ def test_a_token_counts_only_when_every_rank_holds_it(
     b = engines(tp=2, local_cpu=False)
     rank1 = [k for k in chunk_keys(redis_client, key_prefix) if ":2:1:" in k]
     lookup = b.scheduler_connector._lookup
-    from lmcache_remote.hashing import TokenDatabase
+    from lmcache_remote.naming.hashing import TokenDatabase
 
     second = TokenDatabase(lookup.namespaces[1], CHUNK, False).prefix_keys(tokens)[1]
     assert second.key.redis_key(key_prefix) in rank1
@@ -565,7 +565,7 @@ def test_scheduler_side_is_no_engine(engines: Engines, redis_client: redis.Redis
                                      key_prefix: str) -> None:
     import threading
 
-    from lmcache_remote import metrics
+    from lmcache_remote.telemetry import metrics
 
     def lmcr_threads() -> set[str]:
         return {t.name for t in threading.enumerate() if t.name.startswith("lmcr")}

@@ -20,7 +20,7 @@ import redis
 from rig import Instance, prompt
 from vllm.v1.engine import FinishReason
 
-from lmcache_remote.hashing import TokenDatabase
+from lmcache_remote.naming.hashing import TokenDatabase
 
 Engines = Callable[..., Instance]
 WINDOW = 64  # blocks of 16: vLLM keeps 64 tokens below a hit; chunks of 64 (gcd with 256)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lmcache_remote.layout_proof import CacheWriter
+from lmcache_remote.connectors.layout_proof import CacheWriter
 
 __all__ = ["cache_writer", "caches_from_forward_context"]
 

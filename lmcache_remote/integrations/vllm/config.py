@@ -27,14 +27,6 @@ from typing import Any
 import torch
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.fingerprint import (
-    FingerprintError,
-    model_fingerprint,
-    model_folder,
-    model_name_of,
-    namespace,
-    resolve_fingerprint,
-)
 from lmcache_remote.integrations.vllm_core import (
     ConnectorSettings,
     KVGeometry,
@@ -51,7 +43,15 @@ from lmcache_remote.integrations.vllm_core.groups import (
     plain,
 )
 from lmcache_remote.integrations.vllm_core.lookup import GroupLookup
-from lmcache_remote.serde import dtype_name
+from lmcache_remote.naming.fingerprint import (
+    FingerprintError,
+    model_fingerprint,
+    model_folder,
+    model_name_of,
+    namespace,
+    resolve_fingerprint,
+)
+from lmcache_remote.values.serde import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def spec_geometry(vllm_config: Any, kv_cache_config: Any | None) -> KVGeometry |
 def model_namespace(settings: ConnectorSettings, vllm_config: Any) -> str:
     """The model field of the keys: `model_name` (default: the model folder's name, a hub id
     as is) and, unless `model_fingerprint` is "off", `@` and the fingerprint of the weights
-    vLLM loads (`lmcache_remote.fingerprint`; the same as the transformers integration's for
+    vLLM loads (`lmcache_remote.naming.fingerprint`; the same as the transformers integration's for
     the same files). Logged once per process at INFO."""
     model_config = vllm_config.model_config
     source = str(model_config.model)

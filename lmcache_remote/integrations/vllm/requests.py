@@ -3,7 +3,7 @@
 vLLM's own prefix cache binds, besides the tokens, "extra keys" into its block hashes: the
 cache salt, the LoRA adapter (its name and path), every multimodal item overlapping a block
 (its identifier and offset) and the digest of prompt-embedding rows. The connector binds the
-same things into its chunk keys (`lmcache_remote.identity`, docs/key-schema.md), with two
+same things into its chunk keys (`lmcache_remote.naming.identity`, docs/key-schema.md), with two
 differences, both to be safer across a fleet sharing one Redis:
 
 - **Adapters** are named by a fingerprint of their files (`fingerprint.adapter_fingerprint`),
@@ -36,8 +36,12 @@ import struct
 import threading
 from typing import Any
 
-from lmcache_remote.fingerprint import FingerprintError, adapter_fingerprint, adapter_signature
-from lmcache_remote.identity import (
+from lmcache_remote.naming.fingerprint import (
+    FingerprintError,
+    adapter_fingerprint,
+    adapter_signature,
+)
+from lmcache_remote.naming.identity import (
     HASH_BYTES,
     MMItem,
     RequestIdentity,

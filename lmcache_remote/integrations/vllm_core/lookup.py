@@ -30,22 +30,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from lmcache_remote import startup
 from lmcache_remote.config import CacheConfig
+from lmcache_remote.engine import startup
 from lmcache_remote.errors import BackendError
-from lmcache_remote.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
-from lmcache_remote.identity import RequestIdentity
 from lmcache_remote.integrations.vllm_core.groups import KVGroup, group_namespace
-from lmcache_remote.memory import ChunkLayout
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.naming.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
+from lmcache_remote.naming.identity import RequestIdentity
 from lmcache_remote.storage.budget import (
     fetchable_chunks,
     read_share_bytes,
     within_read_share,
 )
 from lmcache_remote.storage.connections import lookup_connections
+from lmcache_remote.storage.memory import ChunkLayout
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.tiers import make_remote_lookup
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 

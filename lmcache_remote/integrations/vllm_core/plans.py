@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_remote.identity import RequestIdentity
+from lmcache_remote.naming.identity import RequestIdentity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RequestPlan:
     slot_mapping: torch.Tensor
     identity: RequestIdentity | None = None
     """What names the chunks beside the tokens (salt, adapter, multimodal items, embeddings):
-    the scheduler builds it, every worker hashes with it (`lmcache_remote.identity`)."""
+    the scheduler builds it, every worker hashes with it (`lmcache_remote.naming.identity`)."""
     load: Span | None = None
     save: Span | None = None
     async_load: bool = False

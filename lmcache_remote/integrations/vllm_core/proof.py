@@ -24,7 +24,12 @@ from collections.abc import Sequence
 import torch
 
 from lmcache_remote.connectors import BlockMap, PagedKV
-from lmcache_remote.layout_proof import CacheWriter, LayoutUnproven, find_block_map, prove
+from lmcache_remote.connectors.layout_proof import (
+    CacheWriter,
+    LayoutUnproven,
+    find_block_map,
+    prove,
+)
 
 __all__ = ["ProvenLayout", "proven_layout"]
 

@@ -30,11 +30,11 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from lmcache_remote.identity import RequestIdentity
 from lmcache_remote.integrations.vllm_core.groups import MAMBA, KVGroup, plain
 from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
+from lmcache_remote.naming.identity import RequestIdentity
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ class ConnectorSettings:
     background."""
     model_fingerprint: str = "auto"
     """"auto": the keys' model field is `{model_name}@{fingerprint of the weights}`
-    (`lmcache_remote.fingerprint`, docs/key-schema.md); "off": the name alone; any other
+    (`lmcache_remote.naming.fingerprint`, docs/key-schema.md); "off": the name alone; any other
     string: used as the fingerprint."""
     lookup_wait_ms: float | None = None
     """The scheduler's lookups run on a thread of their own, and vLLM's scheduler waits at

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmcache_remote.metrics import LATENCY_BUCKETS, Metrics, summed_counters
+from lmcache_remote.telemetry.metrics import LATENCY_BUCKETS, Metrics, summed_counters
 
 __all__ = ["COUNTERS", "LATENCIES", "PREFIX", "StatsDelta", "aggregate", "is_empty",
            "prometheus_names", "reduce"]

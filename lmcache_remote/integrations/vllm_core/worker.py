@@ -37,9 +37,9 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 
 import torch
 
-from lmcache_remote import startup
 from lmcache_remote.connectors import PagedKV
-from lmcache_remote.engine import CacheEngine
+from lmcache_remote.connectors.layout_proof import CacheWriter, LayoutUnproven
+from lmcache_remote.engine import CacheEngine, startup
 from lmcache_remote.integrations.vllm_core.background import (
     BackgroundTransfers,
     step_event,
@@ -52,14 +52,13 @@ from lmcache_remote.integrations.vllm_core.settings import (
     KVGeometry,
     layer_view,
 )
-from lmcache_remote.layout_proof import CacheWriter, LayoutUnproven
-from lmcache_remote.metrics import RateLimitedLogger
 from lmcache_remote.storage.connections import (
     VLLM_WORKER_CALLERS,
     ConnectionCount,
     engine_connections,
 )
 from lmcache_remote.storage.lanes import background_reads
+from lmcache_remote.telemetry.metrics import RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 

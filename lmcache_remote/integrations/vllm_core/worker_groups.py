@@ -27,12 +27,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from lmcache_remote.connectors.layout_proof import CacheWriter
 from lmcache_remote.engine import CacheEngine
 from lmcache_remote.integrations.vllm_core.groups import MAMBA, KVGroup, group_namespace
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan
 from lmcache_remote.integrations.vllm_core.settings import ConnectorSettings
 from lmcache_remote.integrations.vllm_core.worker import WorkerSide
-from lmcache_remote.layout_proof import CacheWriter
 
 logger = logging.getLogger(__name__)
 

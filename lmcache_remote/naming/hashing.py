@@ -29,14 +29,14 @@ import numpy as np
 import torch
 
 from lmcache_remote.errors import KeyFormatError
-from lmcache_remote.identity import (
+from lmcache_remote.naming.identity import (
     EXTRAS_PERSON,
     HASH_BYTES,
     RequestIdentity,
     as_identity,
     salt_seed,
 )
-from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.naming.keys import CacheEngineKey
 
 __all__ = ["HASH_BYTES", "ChunkSpec", "KeyNamespace", "TokenDatabase", "chunk_hashes",
            "salt_seed", "skip_prefix", "tokens_to_array"]

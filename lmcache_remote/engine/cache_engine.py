@@ -25,7 +25,7 @@ Who calls what, and what each call promises:
   step (generators), so that a layer's copy overlaps the engine's compute of the next layer;
   they read and write exactly the chunks (keys and bytes) of the whole-request calls.
   The step protocol is in their docstrings.
-- Each of these calls also takes `identity=` (`lmcache_remote.identity.RequestIdentity`): a
+- Each of these calls also takes `identity=` (`lmcache_remote.naming.identity.RequestIdentity`): a
   request whose KV depends on more than its tokens (a LoRA adapter, multimodal items, prompt
   embeddings; its salt too) is named by it (docs/key-schema.md). `cache_salt=` alone is
   `identity=RequestIdentity(cache_salt=...)`.
@@ -45,7 +45,7 @@ rank names chunks with world size 1 and worker 0 (the key of a single-rank engin
 does not depend on the parallelism), only worker 0 stores (the others' `store` and
 `store_layer` store nothing and report 0), and every rank loads that one copy.
 
-At start-up the engine logs one INFO line (`lmcache_remote.startup`): version, namespace,
+At start-up the engine logs one INFO line (`lmcache_remote.engine.startup`): version, namespace,
 native loop, connection count and the configuration with its secrets masked; with
 `require_native` a missing C extension is a `ConfigError`.
 
@@ -66,23 +66,23 @@ from typing import Any
 
 import torch
 
-from lmcache_remote import startup
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.connectors import KVView
-from lmcache_remote.engine_metadata import EngineMetadata, key_namespace
+from lmcache_remote.engine import startup
+from lmcache_remote.engine.metadata import EngineMetadata, key_namespace
+from lmcache_remote.engine.promises import PromiseLedger
+from lmcache_remote.engine.reporting import EngineReporter
+from lmcache_remote.engine.store_batch import StoreBatch, present
 from lmcache_remote.errors import (
     BackendPermissionError,
     BackendTimeoutError,
     BackendUnavailableError,
 )
-from lmcache_remote.hashing import ChunkSpec, TokenDatabase, tokens_to_array
-from lmcache_remote.identity import RequestIdentity, resolve
-from lmcache_remote.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.promises import PromiseLedger
-from lmcache_remote.reporting import EngineReporter
+from lmcache_remote.naming.hashing import ChunkSpec, TokenDatabase, tokens_to_array
+from lmcache_remote.naming.identity import RequestIdentity, resolve
 from lmcache_remote.storage.connections import engine_connections
 from lmcache_remote.storage.manager import StorageManager
-from lmcache_remote.store_batch import StoreBatch, present
+from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 __all__ = ["CacheEngine", "EngineMetadata"]
 

@@ -9,7 +9,7 @@
 - its entry in the process-wide metrics registry (`metrics.register_source`), which the
   Prometheus collector reads at scrape time; with `metrics_port` set, the HTTP exporter is
   started on `metrics_host` (loopback by default) once per process
-  (`lmcache_remote.prometheus.serve`).
+  (`lmcache_remote.telemetry.prometheus.serve`).
 
 None of this can fail or slow inference: publishing runs on its own thread, failures are
 counted (`publisher.*`), and a port that cannot be bound is logged, not raised.
@@ -26,10 +26,15 @@ import time
 from collections.abc import Mapping
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.keys import engine_stats_key
-from lmcache_remote.metrics import Metrics, MetricsSource, register_source, unregister_source
+from lmcache_remote.naming.keys import engine_stats_key
 from lmcache_remote.storage.manager import StorageManager
 from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
+from lmcache_remote.telemetry.metrics import (
+    Metrics,
+    MetricsSource,
+    register_source,
+    unregister_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +107,7 @@ class EngineReporter:
                 storage.remote, key, config.stats_publish_interval, self.published_fields, metrics
             )
         if config.metrics_port is not None:
-            from lmcache_remote import prometheus
+            from lmcache_remote.telemetry import prometheus
 
             try:
                 prometheus.serve(config.metrics_port, config.metrics_host)

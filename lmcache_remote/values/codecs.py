@@ -35,8 +35,8 @@ import lz4.block
 import numpy as np
 import zstandard
 
-from lmcache_remote.buffers import address
 from lmcache_remote.errors import CorruptEntryError, SerdeError
+from lmcache_remote.native.buffers import address
 
 BytesLike = bytes | bytearray | memoryview
 

@@ -7,14 +7,14 @@ Contract:
   with ``fit_size_classes`` a size planned to fill Redis's allocations; the last segment
   shorter), and each
   segment is encoded on its own by a `Codec` (``raw``, ``lz4``, ``lz4-planes``; module
-  `lmcache_remote.codecs`, re-exported here). ``values[0]`` is the header followed by
+  `lmcache_remote.values.codecs`, re-exported here). ``values[0]`` is the header followed by
   stored segment 0, in one contiguous buffer; ``values[i]`` is stored segment ``i``.
   The storage tier puts ``values[0]`` under the chunk key and ``values[i]`` under ``key#i``.
-- The header is `lmcache_remote.value_format`'s (the names other modules take from here are
+- The header is `lmcache_remote.values.value_format`'s (the names other modules take from here are
   re-exported): it names the codec, dtype, shape, token count, the chunk hash, the raw size,
   the part size and each part's stored length and xxh3-64 checksum; an authenticated value
   (``encode(..., signer=...)``) also holds a MAC, which ``read_header`` returns and the
-  caller checks (`lmcache_remote.integrity`).
+  caller checks (`lmcache_remote.values.integrity`).
 - `Serde.read_header` validates every header field and `Serde.decode_into` every length, the
   chunk hash and every part checksum. Whatever the input bytes, both raise `CorruptEntryError`
   on any problem and nothing else; they never unpickle or evaluate anything. ``read_header``
@@ -37,18 +37,18 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from lmcache_remote.buffers import address
-from lmcache_remote.codecs import CODECS as CODECS
-from lmcache_remote.codecs import CODECS_BY_ID, Codec, RawCodec
-from lmcache_remote.codecs import get_codec as get_codec
 from lmcache_remote.errors import SerdeError
-from lmcache_remote.sizing import plan_part_size
-from lmcache_remote.value_format import AUTHENTICATED as AUTHENTICATED
-from lmcache_remote.value_format import DTYPE_CODES as DTYPE_CODES
-from lmcache_remote.value_format import HEADER_CHECKSUM as HEADER_CHECKSUM
-from lmcache_remote.value_format import HEADER_FIXED as HEADER_FIXED
-from lmcache_remote.value_format import MAGIC as MAGIC
-from lmcache_remote.value_format import (
+from lmcache_remote.native.buffers import address
+from lmcache_remote.values.codecs import CODECS as CODECS
+from lmcache_remote.values.codecs import CODECS_BY_ID, Codec, RawCodec
+from lmcache_remote.values.codecs import get_codec as get_codec
+from lmcache_remote.values.sizing import plan_part_size
+from lmcache_remote.values.value_format import AUTHENTICATED as AUTHENTICATED
+from lmcache_remote.values.value_format import DTYPE_CODES as DTYPE_CODES
+from lmcache_remote.values.value_format import HEADER_CHECKSUM as HEADER_CHECKSUM
+from lmcache_remote.values.value_format import HEADER_FIXED as HEADER_FIXED
+from lmcache_remote.values.value_format import MAGIC as MAGIC
+from lmcache_remote.values.value_format import (
     MAX_NUM_TOKENS,
     MAX_PART_SIZE,
     TAG_NBYTES,
@@ -64,11 +64,11 @@ from lmcache_remote.value_format import (
     header_for,
     parse_header,
 )
-from lmcache_remote.value_format import Signer as Signer
-from lmcache_remote.value_format import ValueHeader as ValueHeader
-from lmcache_remote.value_format import dtype_from_name as dtype_from_name
-from lmcache_remote.value_format import dtype_name as dtype_name
-from lmcache_remote.value_format import header_nbytes as header_nbytes
+from lmcache_remote.values.value_format import Signer as Signer
+from lmcache_remote.values.value_format import ValueHeader as ValueHeader
+from lmcache_remote.values.value_format import dtype_from_name as dtype_from_name
+from lmcache_remote.values.value_format import dtype_name as dtype_name
+from lmcache_remote.values.value_format import header_nbytes as header_nbytes
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -134,7 +134,7 @@ class Serde:
     def part_size_for(self, raw_nbytes: int) -> int:
         """The part size a chunk of ``raw_nbytes`` bytes is cut with: ``part_size``, or with
         ``fit_size_classes`` the size (at most ``part_size``) whose values waste the least of
-        Redis's allocations (`lmcache_remote.sizing.plan_part_size`)."""
+        Redis's allocations (`lmcache_remote.values.sizing.plan_part_size`)."""
         if raw_nbytes < 0:
             raise SerdeError(f"raw_nbytes must be >= 0, got {raw_nbytes}")
         if not self.fit_size_classes:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.keys import CacheEngineKey
+from lmcache_remote.naming.hashing import ChunkSpec
+from lmcache_remote.naming.keys import CacheEngineKey
 
 #: Recent lookups remembered to check that the retrieve that follows keeps their promise.
 PROMISES_KEPT = 4096

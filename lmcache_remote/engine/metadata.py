@@ -14,9 +14,9 @@ import dataclasses
 
 import torch
 
-from lmcache_remote.hashing import KeyNamespace
-from lmcache_remote.memory import ChunkLayout
-from lmcache_remote.serde import dtype_name
+from lmcache_remote.naming.hashing import KeyNamespace
+from lmcache_remote.storage.memory import ChunkLayout
+from lmcache_remote.values.serde import dtype_name
 
 
 @dataclasses.dataclass(frozen=True)

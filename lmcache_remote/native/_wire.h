@@ -1,4 +1,4 @@
-/* What the C sources of lmcache_remote._wire share, and nothing else: the Python headers
+/* What the C sources of lmcache_remote.native._wire share, and nothing else: the Python headers
  * (included first, with PY_SSIZE_T_CLEAN, as Python asks), SLOTS (an allocation's element
  * count), the XXH3-64 functions that _wire_xxh3.c binds and the RESP loop calls, and the
  * entry points each source gives the module table in _wire.c. Names shared between the

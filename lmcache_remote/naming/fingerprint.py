@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcache_remote.identity import field_header
+from lmcache_remote.naming.identity import field_header
 
 __all__ = ["ADAPTER_FINGERPRINT_VERSION", "FINGERPRINT_VERSION", "FingerprintError",
            "PROCESSOR_FILES", "adapter_fingerprint", "adapter_signature", "model_fingerprint",

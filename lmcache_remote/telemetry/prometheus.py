@@ -32,7 +32,7 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from lmcache_remote.metrics import LATENCY_BUCKETS, Histogram, sources
+from lmcache_remote.telemetry.metrics import LATENCY_BUCKETS, Histogram, sources
 
 TIER_SCOPES = ("local", "remote")
 LABELS = ("host", "model", "worker")

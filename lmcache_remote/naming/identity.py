@@ -41,7 +41,7 @@ _ADAPTER_RE = re.compile(r"[\x21-\x7e]{1,128}")
 
 def field_header(name: bytes, length: int) -> bytes:
     """What precedes a field's data: `len(name)` (uint64 LE), name, `length` (uint64 LE). The
-    framing of every field here and in the fingerprints (`lmcache_remote.fingerprint`)."""
+    framing of every field here and in the fingerprints (`lmcache_remote.naming.fingerprint`)."""
     return struct.pack("<Q", len(name)) + name + struct.pack("<Q", length)
 
 

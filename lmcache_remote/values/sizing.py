@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import functools
 
-from lmcache_remote.codecs import CODECS
-from lmcache_remote.value_format import header_nbytes
+from lmcache_remote.values.codecs import CODECS
+from lmcache_remote.values.value_format import header_nbytes
 
 #: Bytes Redis adds to a value's own allocation: the sds header (9 bytes above 64 KiB), the
 #: terminating NUL, and the CRLF room of the query buffer it was received in; rounded up.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from lmcache_remote.hashing import ChunkSpec
-from lmcache_remote.memory import MemoryObj
+from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.storage.manager import StorePlan
+from lmcache_remote.storage.memory import MemoryObj
 
 
 class StoreBatch:

@@ -1,4 +1,4 @@
-/* The module lmcache_remote._wire (optional: see setup.py and native.py): its method table
+/* The module lmcache_remote.native._wire (optional: see setup.py and native.py): its method table
  * and init, and `address`, the one helper that is neither the RESP loop nor the row copier.
  * It promises what each function's docstring says; the work is in _wire_resp.c (run_batch,
  * with its parts _wire_io.c, _wire_send.c, _wire_reply.c), _wire_rows.c (copy_rows) and
@@ -30,11 +30,11 @@ static PyMethodDef methods[] = {
      "it). seals: None, or a list (one item per command) of None or (dest, sources, offsets,\n"
      "sum_at): before the command is sent, the XXH3-64 of each source is written at its\n"
      "offset in dest, then the low 32 bits of dest[:sum_at]'s at sum_at (if >= 0); see\n"
-     "lmcache_remote/_wire_resp.c."},
+     "lmcache_remote/native/_wire_resp.c."},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(jobs, gather) -> None\n\nRow copies between a paged cache and chunks, every\n"
      "job (cache_addr, cache_rows, chunk_addr, row_bytes, int64 index) without the GIL; see\n"
-     "lmcache_remote/_wire_rows.c."},
+     "lmcache_remote/native/_wire_rows.c."},
     {"bind_xxh3", bind_xxh3, METH_O,
      "bind_xxh3(path) -> bool\n\nLooks XXH3-64 up in the loaded shared object at path (the\n"
      "xxhash package's extension); whether one is bound."},
@@ -44,7 +44,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "lmcache_remote._wire",
+    PyModuleDef_HEAD_INIT, "lmcache_remote.native._wire",
     "The native receive loop of the bulk data path (see storage/bulk.py) and the row copier\n"
     "of connectors' PagedKV (see connectors/rows.py).", -1, methods,
     NULL, NULL, NULL, NULL,

@@ -8,7 +8,7 @@ password. Gauges (bytes in use, health) are added to the snapshot by their owner
 `observe(name, seconds)` records a latency: it adds to the counter `name` (the total, so
 `stats()["engine"]["lookup_seconds"]` keeps its meaning) and to a histogram over
 `LATENCY_BUCKETS`, read with `histograms()`. The Prometheus exporter
-(`lmcache_remote.prometheus`) and the fleet publisher read these same numbers; nothing is
+(`lmcache_remote.telemetry.prometheus`) and the fleet publisher read these same numbers; nothing is
 counted twice.
 """
 
@@ -143,7 +143,7 @@ _SOURCES_LOCK = threading.Lock()
 
 
 def register_source(source: MetricsSource) -> None:
-    """Make an engine's metrics visible to exporters (`lmcache_remote.prometheus`)."""
+    """Make an engine's metrics visible to exporters (`lmcache_remote.telemetry.prometheus`)."""
     with _SOURCES_LOCK:
         _SOURCES[id(source)] = source
 

@@ -10,7 +10,7 @@ Contract (byte by byte in ``docs/value-format.md``):
 - An authenticated value (version byte ``FORMAT_VERSION | AUTHENTICATED``) also holds a
   32-byte MAC between the part table and the header checksum; `parse_header` returns it
   (`ValueHeader.tag`, with the header bytes it covers) and checking it is the caller's
-  (`lmcache_remote.integrity`), which alone has the key.
+  (`lmcache_remote.values.integrity`), which alone has the key.
 - `parse_header` validates every header field, `check_values` every length and
   `check_identity` the chunk hash, shape and dtype. Whatever the input bytes, they raise
   `CorruptEntryError` (damage) or `ForeignEntryError` (a readable value of another release,
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from lmcache_remote.codecs import CODECS_BY_ID, Codec
 from lmcache_remote.errors import CorruptEntryError, ForeignEntryError, SerdeError
 from lmcache_remote.native import xxh3 as _xxh3
+from lmcache_remote.values.codecs import CODECS_BY_ID, Codec
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -52,7 +52,7 @@ PART_ENTRY = struct.Struct("<QQ")
 HEADER_CHECKSUM = struct.Struct("<I")
 MIN_HEADER_NBYTES = HEADER_FIXED.size + PART_ENTRY.size + HEADER_CHECKSUM.size
 #: Set in the version byte of an authenticated value (`FORMAT_VERSION | AUTHENTICATED`):
-#: its header holds a MAC (`TAG_NBYTES`, `lmcache_remote.integrity`) between the part table
+#: its header holds a MAC (`TAG_NBYTES`, `lmcache_remote.values.integrity`) between the part table
 #: and the header checksum. A reader that knows only version 1 finds another version there
 #: and leaves the value in place as foreign.
 AUTHENTICATED = 0x80

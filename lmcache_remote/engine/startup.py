@@ -34,14 +34,15 @@ from collections.abc import Iterator
 
 from lmcache_remote import native
 from lmcache_remote.config import CacheConfig, mask_url
-from lmcache_remote.cpus import available_cpus
 from lmcache_remote.errors import ConfigError
 from lmcache_remote.storage.connections import ConnectionCount
+from lmcache_remote.storage.cpus import available_cpus
 from lmcache_remote.version import __version__
 
 __all__ = ["announce", "check_native", "masked_config", "quiet", "startup_line"]
 
-logger = logging.getLogger(__name__)
+#: The logger docs/deploy.md names (this module's name before it moved into `engine/`).
+logger = logging.getLogger("lmcache_remote.startup")
 _ANNOUNCED: set[tuple[str, str, str, str]] = set()
 _LOCK = threading.Lock()
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("lmcr_startup_quiet",
@@ -57,7 +58,7 @@ def check_native(config: CacheConfig) -> None:
         in ("1", "true", "yes", "on")
     if required and native.wire is None:
         raise ConfigError(
-            "require_native", f"the C extension lmcache_remote._wire is not available "
+            "require_native", f"the C extension lmcache_remote.native._wire is not available "
             f"({native.IMPORT_ERROR}); it is compiled when the package is installed, which "
             "needs gcc and the Python headers (python3-dev): reinstall with them, or set "
             "require_native false (and unset LMCR_REQUIRE_NATIVE) to run the Python path")

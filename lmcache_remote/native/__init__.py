@@ -1,6 +1,7 @@
-"""The optional C extension `lmcache_remote._wire` (lmcache_remote/_wire*.c), imported in one
-place: `wire` is the module, or None where it was not built (no compiler at install), and its
-users (storage/bulk.py's receive loop, connectors' row copies, serde's buffer addresses)
+"""The native layer: the optional C extension `lmcache_remote.native._wire` (the `_wire*.c`
+sources in this folder, one module), imported in one place, and `buffers` (a byte view's
+address). `wire` is the module, or None where it was not built (no compiler at install), and
+its users (storage/bulk.py's receive loop, connectors' row copies, serde's buffer addresses)
 then run their Python code.
 `xxh3` is the one XXH3-64 every Python caller uses (serde's checksums, the wire's seals).
 
@@ -17,7 +18,7 @@ import xxhash
 #: `require_native`'s error.
 IMPORT_ERROR: str | None = None
 try:
-    from lmcache_remote import _wire as wire
+    from lmcache_remote.native import _wire as wire
 except ImportError as _exc:
     wire = None  # type: ignore[assignment]
     IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
