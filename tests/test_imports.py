@@ -5,6 +5,7 @@ functions too), so a lazy import cannot hide a cycle."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,3 +164,14 @@ def test_the_architecture_page_lists_the_root() -> None:
     named = {line.split()[0].rstrip("/").removesuffix(".py")
              for line in listing.splitlines()[1:] if line.strip()}
     assert {name for names in LAYERS for name in names} <= named
+
+
+def test_the_install_ships_every_package() -> None:
+    """pyproject.toml lists the packages a wheel holds (no discovery): every folder of the
+    package with an `__init__.py` is one of them, so a non-editable install has each layer."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(lmcache_remote(?:\.\w+)*)"',
+                            pyproject.split("packages = [", 1)[1].split("]", 1)[0]))
+    folders = {".".join(path.parent.relative_to(ROOT).parts)
+               for path in PACKAGE.rglob("__init__.py")}
+    assert folders == listed
