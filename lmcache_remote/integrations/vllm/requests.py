@@ -47,6 +47,7 @@ from lmcache_remote.naming.identity import (
     RequestIdentity,
     embeds_digests,
     field,
+    field_header,
     sorted_items,
 )
 
@@ -87,7 +88,8 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update(field(b"dtype", str(t.dtype).removeprefix("torch.").encode()))
         digest.update(field(b"shape", b"".join(struct.pack("<Q", d) for d in t.shape)))
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        digest.update(field(b"data", raw.numpy().tobytes()))
+        digest.update(field_header(b"data", raw.numel()))
+        digest.update(raw.numpy())  # the tensor's own bytes: no copy
     elif isinstance(value, (list, tuple)):
         digest.update(field(b"list", struct.pack("<Q", len(value))))
         for item in value:
