@@ -36,6 +36,7 @@ import struct
 import threading
 from typing import Any
 
+from lmcache_remote.integrations.vllm_core.settings import MM_ITEM_MODES
 from lmcache_remote.naming.fingerprint import (
     FingerprintError,
     adapter_fingerprint,
@@ -55,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MM_ITEM_MODES", "Adapters", "RequestNames", "UnnamedRequest", "item_digest"]
 
-MM_ITEM_MODES = ("content", "identifier")
 ITEM_PERSON = b"lmcr-mm-item1"
 
 

@@ -26,6 +26,9 @@ CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2, "fp8_inc": torch.float8_e4m3fn,
 }
 
+#: How `mm_items` may name multimodal items in the keys (`ConnectorSettings.mm_items`).
+MM_ITEM_MODES = ("content", "identifier")
+
 
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
@@ -98,8 +101,9 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         raise ConfigError("model_fingerprint", f"must be 'auto', 'off' or a string without "
                           f"spaces, got {fingerprint!r}")
     mm_items = values.pop("mm_items", "content")
-    if mm_items not in ("content", "identifier"):
-        raise ConfigError("mm_items", f"must be 'content' or 'identifier', got {mm_items!r}")
+    if mm_items not in MM_ITEM_MODES:
+        raise ConfigError("mm_items", f"must be {' or '.join(map(repr, MM_ITEM_MODES))}, "
+                          f"got {mm_items!r}")
     return ConnectorSettings(load_config(path, **values), layerwise, model_name, async_min,
                              async_save, fingerprint, wait_ms, mm_items)
 
