@@ -45,9 +45,9 @@ rank names chunks with world size 1 and worker 0 (the key of a single-rank engin
 does not depend on the parallelism), only worker 0 stores (the others' `store` and
 `store_layer` store nothing and report 0), and every rank loads that one copy.
 
-At start-up the engine logs one INFO line (`lmcache_remote.engine.startup`): version, namespace,
-native loop, connection count and the configuration with its secrets masked; with
-`require_native` a missing C extension is a `ConfigError`.
+At start-up the engine logs one INFO line (`engine.startup`, on the logger
+`lmcache_remote.startup`): version, namespace, native loop, connection count and the configuration
+with its secrets masked; with `require_native` a missing C extension is a `ConfigError`.
 
 The engine starts while Redis is down: the start-up check logs a warning, redis-py connects
 lazily, and a failed call only opens the health gate's back-off, after which the next call

@@ -87,10 +87,10 @@ def chunk_hashes(
     end = len(view) if partial else len(view) - len(view) % step
     identity = as_identity(cache_salt)
     prev = salt_seed(None) if identity is None else identity.seed()
-    out: list[bytes] = []
-    blake = hashlib.blake2b
     if identity is not None and not identity.plain:
         return _hashes_with_extras(view, chunk_size, end, prev, identity)
+    out: list[bytes] = []
+    blake = hashlib.blake2b
     for offset in range(0, end, step):
         h = blake(prev, digest_size=HASH_BYTES)
         h.update(view[offset:offset + step])
