@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_imports import modules as package_modules
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import ConfigError
@@ -119,8 +120,8 @@ def test_every_module_and_path_the_docs_name_is_there() -> None:
     """A path (`lmcache_remote/...`) or a dotted name (`lmcache_remote.x.y`, a module and at
     most its attributes) in the docs names what the tree holds: the docs follow the folders.
     A dotted name may also be a logger the package logs to by that name."""
-    package = ROOT / "lmcache_remote"
-    source = "\n".join(p.read_text() for p in package.rglob("*.py"))
+    modules = package_modules()
+    source = "\n".join(path.read_text() for path in modules.values() if path is not None)
     loggers = set(re.findall(r'getLogger\("(lmcache_remote[\w.]*)"\)', source))
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
             *sorted((ROOT / "benchmarks").glob("*.md"))]
@@ -135,13 +136,9 @@ def test_every_module_and_path_the_docs_name_is_there() -> None:
                 continue
             parts = dotted.split(".")
             depth = max((n for n in range(1, len(parts) + 1)
-                         if (ROOT.joinpath(*parts[:n]).with_suffix(".py").is_file()
-                             or ROOT.joinpath(*parts[:n], "__init__.py").is_file()
-                             or parts[:n] == ["lmcache_remote", "native", "_wire"])),
-                        default=0)
-            module = ROOT.joinpath(*parts[:depth])
-            code = (module.with_suffix(".py").read_text() if module.with_suffix(".py").is_file()
-                    else (module / "__init__.py").read_text() if module.is_dir() else "")
+                         if ".".join(parts[:n]) in modules), default=0)
+            found = modules.get(".".join(parts[:depth]))  # None: not a module, or the C one
+            code = found.read_text() if found is not None else ""
             attributes = parts[depth:]
             if depth == 0 or len(attributes) > 1 or (attributes and attributes[0] not in code):
                 wrong.append(f"{doc.name}: {dotted}")
