@@ -216,12 +216,12 @@ class Engine(enginekit.Engine):
     def __init__(self, spec: dict[str, Any], log: Path) -> None:
         super().__init__(spec, log, {**ENGINE_ENV, "PYTHONPATH": self.python_path})
 
-    def _answer(self) -> dict[str, Any]:
+    def _answer(self, timeout: float | None = None) -> dict[str, Any]:
         timer = threading.Timer(ENGINE_TIMEOUT_S, _kill_tree, (self._proc.pid,))
         timer.daemon = True
         timer.start()
         try:
-            return super()._answer()
+            return super()._answer(timeout)
         finally:
             timer.cancel()
 

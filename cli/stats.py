@@ -98,15 +98,24 @@ def _pages(pages: dict[str, Any]) -> list[RenderableType]:
 
 def _served(by_model: dict[str, dict[str, Any]]) -> list[RenderableType]:
     """Per model namespace with a vLLM scheduler publishing: where the prompt tokens came
-    from (vLLM's own cache, the local tier, Redis, computed) and the cache's hit rate."""
+    from (vLLM's own cache, the local tier, Redis, declined because computing was cheaper,
+    computed), the cache's hit rate, and the figures of the load decision."""
     rows = {m: v for m, v in by_model.items() if v.get("schedulers")}
     if not rows:
         return []
-    t = table("model", "prompt tokens", "vLLM cache", "local tier", "Redis", "computed",
-              "hit rate", "broken", title="prompt tokens by source (vLLM fleet)")
+    t = table("model", "prompt tokens", "vLLM cache", "local tier", "Redis", "declined",
+              "computed", "hit rate", "broken", "link", "round trip", "prefill",
+              title="prompt tokens by source (vLLM fleet)")
     for model, v in rows.items():
         rate = "-" if v["cache_hit_rate"] is None else f"{100 * v['cache_hit_rate']:.1f}%"
+        link = v.get("link_bytes_per_s")
+        rtt = v.get("link_rtt_s")
+        prefill = v.get("prefill_tokens_per_s")
         t.add_row(model, str(v["prompt_tokens"]), str(v["device_cached_tokens"]),
                   str(v["local_hit_tokens"]), str(v["remote_hit_tokens"]),
-                  str(v["computed_tokens"]), rate, str(v["promise_broken_tokens"]))
+                  str(v["declined_tokens"]), str(v["computed_tokens"]), rate,
+                  str(v["promise_broken_tokens"]),
+                  "-" if link is None else f"{size(int(link))}/s",
+                  "-" if rtt is None else f"{rtt * 1e3:.2f} ms",
+                  "-" if prefill is None else f"{prefill:.0f} tok/s")
     return [t]

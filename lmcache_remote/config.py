@@ -38,6 +38,7 @@ ENV_CONFIG_FILE = "LMCR_CONFIG"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes", "blosc2-lz4", "blosc2-zstd")
 _CERT_REQS = ("required", "optional", "none")
+LOAD_POLICIES = ("pays", "always")
 #: Fields whose value a message never repeats: a key pasted there by mistake must not be logged.
 _SECRET_FIELDS = frozenset({"integrity_key"})
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9.\-]{1,253}|[0-9A-Fa-f:.]{2,45})$")
@@ -122,6 +123,23 @@ class CacheConfig:
     shows the fleet's hit rate from them); None = never publish."""
     metrics_port: int | None = None
     """Serve Prometheus metrics over HTTP on this port; None = off."""
+    load_policy: str = "pays"
+    """Which part of a hit is loaded: `pays` (the default) loads the prefix whose expected
+    load time (the link's measured throughput and round trip) is shorter than computing it
+    (this engine's measured prefill speed), nothing where computing is quicker, and probes a
+    declined link now and then; `always` loads every hit (what earlier releases did).
+    docs/load-decision.md."""
+    link_gbps: float | None = None
+    """The link's throughput to Redis in Gbit/s, when the fleet knows it: used instead of the
+    measured figure. None: measured from this engine's loads."""
+    link_rtt_ms: float | None = None
+    """The link's round trip to Redis in milliseconds, when known; None: measured from this
+    engine's lookups."""
+    prefill_tokens_per_s: float | None = None
+    """This engine's prefill speed in tokens a second, when known (at any context); None:
+    measured from its own steps, by context length."""
+    load_probe_interval: float = 10.0
+    """Seconds after the last load before a declined link is probed with a one-chunk load."""
     metrics_host: str = "127.0.0.1"
     """The address the metrics endpoint listens on: loopback by default, so only this host can
     scrape it; `0.0.0.0` (or one interface's address) exposes it to the network."""
@@ -161,6 +179,11 @@ def _validate(cfg: CacheConfig) -> None:
                  "unhealthy_backoff", "store_queue_size", "remote_part_size"):
         _positive(cfg, name)
     _positive(cfg, "stats_publish_interval")
+    for name in ("link_gbps", "link_rtt_ms", "prefill_tokens_per_s", "load_probe_interval"):
+        _positive(cfg, name)
+    if cfg.load_policy not in LOAD_POLICIES:
+        raise ConfigError("load_policy", f"must be one of {', '.join(LOAD_POLICIES)}, got "
+                          f"{cfg.load_policy!r}")
     if cfg.metrics_port is not None and not 1 <= cfg.metrics_port <= 65535:
         raise ConfigError("metrics_port", f"must be a port in 1..65535, got {cfg.metrics_port}")
     if not _HOST_RE.match(cfg.metrics_host):

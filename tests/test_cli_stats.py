@@ -238,3 +238,42 @@ def test_stats_shows_where_a_vllm_fleets_prompt_tokens_came_from(
     assert (view_["schedulers"], view_["engines"]) >= (1, 1)
     assert human.exit_code == 0 and "prompt tokens by source" in human.stdout
     assert "org/served" in human.stdout
+
+
+def test_stats_counts_declined_tokens_apart_and_shows_the_decision_figures(
+        redis_url: str, key_prefix: str) -> None:
+    """A vLLM scheduler side whose link is measured slow (its workers' report) declines a
+    hit: `stats` counts those tokens as declined, not computed, and shows the figures the
+    decision used (link, round trip, prefill)."""
+    from lmcache_remote import CacheConfig
+    from lmcache_remote.engine.decision import LoadDecision
+    from lmcache_remote.integrations.vllm_core import PrefixLookup, SchedulerSide
+    from lmcache_remote.integrations.vllm_core.fleet import SchedulerPublisher
+
+    n = 1024
+    kv, _ = view("kv_split", torch.bfloat16, n, seed=2)
+    meta = metadata(model="org/declined")
+    with engine(redis_url, key_prefix, meta, store_async=False) as writer:
+        writer.store(tokens(n, 3), kv)
+    config = CacheConfig(remote_url=redis_url, key_prefix=key_prefix, chunk_size=256,
+                         stats_publish_interval=60.0)
+    lookup = PrefixLookup(config, meta.layout, [meta.namespace])
+    decision = LoadDecision.from_config(config, link=lookup.link)
+    side = SchedulerSide(lookup, 256, 16, decision=decision,
+                         bytes_per_token=lookup.bytes_per_token)
+    side.worker_report(set(), False, 1000.0, (512, 512 * 256, 0.01))  # 1 kB/s, 51k tok/s
+    decision.load_ended()  # a load just went out: no probe due
+    publisher = SchedulerPublisher(config, lookup.remote, [side.metrics, lookup.metrics],
+                                   lambda: "org/declined", 1)
+    prompt = [*tokens(n, 3), *tokens(100, 9)]
+    assert side.num_new_matched_tokens("r1", prompt, 0) == 0
+    side.after_alloc("r1", 0, list(range(70)), len(prompt))
+    publisher.close()
+    lookup.close()
+    out = run_json("stats", "--url", redis_url, "--prefix", key_prefix)
+    human = run("stats", "--url", redis_url, "--prefix", key_prefix)
+    view_ = out["engines"]["by_model"]["org/declined"]
+    assert view_["declined_tokens"] == n and view_["computed_tokens"] == 100
+    assert view_["link_bytes_per_s"] == 1000.0 and view_["prefill_tokens_per_s"] > 10_000
+    assert 0 < view_["link_rtt_s"] < 1.0  # measured by the lookup
+    assert human.exit_code == 0 and "declined" in human.stdout and "tok/s" in human.stdout

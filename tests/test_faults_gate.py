@@ -10,23 +10,11 @@ import threading
 
 import pytest
 import redis
+from faultkit import Clock
 
 from lmcache_remote import BackendError
 from lmcache_remote.storage.client import RemoteCaller
 from lmcache_remote.storage.health import HealthGate
-
-
-class Clock:
-    """A monotonic clock that moves only when told to."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def test_failures_of_calls_already_in_flight_do_not_stretch_the_backoff() -> None:

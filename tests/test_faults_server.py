@@ -186,10 +186,16 @@ def test_sigstop_bounds_every_call_and_sigcont_recovers(private_redis: RedisServ
             assert flush_took < bound(2, TIMEOUT)
         finally:
             private_redis.resume()
-        # after the back-off one probe goes through and the tier is back, hits exact
-        dst, read = sentinel_kv(len(stored))
-        assert wait_for(lambda: e.lookup(stored) == len(stored), backoff * 2 + 30)
-        assert check_retrieve(e.retrieve(stored, dst), stored, read) == len(stored)
+        # after the back-off one probe goes through and the tier is back, hits exact; the
+        # load decision took the timed-out read for a slow link: it probes the link with one
+        # chunk (`load_probe_interval`), which measures it, and then loads whole again
+        def whole() -> bool:
+            dst, read = sentinel_kv(len(stored))
+            e.lookup(stored)
+            return check_retrieve(e.retrieve(stored, dst), stored, read) == len(stored)
+
+        assert wait_for(whole, backoff * 2 + 30)
+        assert e.lookup(stored) == len(stored)
         assert e.stats()["remote"]["healthy"] is True
 
 

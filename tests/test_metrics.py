@@ -89,6 +89,10 @@ def test_prometheus_collector_exports_counters_and_histograms(redis_url: str,
     assert 'lmcr_engine_retrieve_seconds_bucket{' in text and 'le="+Inf"' in text
     assert 'lmcr_tier_put_seconds_count{' in text and 'tier="remote"' in text
     assert "lookup_seconds_total" not in text  # latency totals are histograms only
+    # the load decision's figures, gauges: the prior link until a load measured it
+    assert f"lmcr_decision_link_rtt_seconds{{{labels}}}" in text
+    assert f"lmcr_decision_prefill_tokens_per_s{{{labels}}} 4000.0" in text
+    assert "# TYPE lmcr_decision_link_bytes_per_s gauge" in text
     after = generate_latest(registry).decode()
     assert model not in after  # a closed engine leaves the exporter
 

@@ -56,6 +56,8 @@ def test_one_line_with_what_the_cache_does_and_no_secret(
     assert "connections <= 13 (6 write lanes + 4 read lanes + toucher + publisher + 1 caller)" \
         in line
     assert "serde threads" in line and "CPUs available" in line
+    assert ("load policy pays, from link 1250.0 MB/s (prior), round trip 1.00 ms (prior), "
+            "prefill 4000 tokens/s (prior)") in line
     assert f"remote_url='redis://:***@127.0.0.1:{server.port}/0'" in line
     assert f"key_prefix='{key_prefix}'" in line and "integrity_key='set'" in line
     for secret in (PASSWORD, KEY, "LMCR_TEST_INTEGRITY"):

@@ -15,6 +15,7 @@ import threading
 import pytest
 import redis
 import torch
+from faultkit import Clock
 from kvutil import chunk_heads, packed_writer
 
 from lmcache_remote import CacheConfig, CacheEngine, ConfigError, DenseKV
@@ -31,6 +32,7 @@ from lmcache_remote.integrations.vllm_core import (
     load_settings,
     slot_mapping,
 )
+from lmcache_remote.integrations.vllm_core.scheduler import MAX_LOAD_FAILURES
 from lmcache_remote.integrations.vllm_core.worker import WorkerSide
 from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
 from lmcache_remote.naming.identity import RequestIdentity
@@ -367,3 +369,50 @@ def test_background_lookup_answers_none_until_its_lookup_is_done() -> None:
     s.close()
     with pytest.raises(ConfigError, match="lookup_wait_ms"):
         load_settings({"lookup_wait_ms": -1})
+
+
+# -- the load decision and failed loads on the scheduler side ---------------------------------
+
+def test_the_scheduler_claims_what_pays_and_counts_what_it_declines() -> None:
+    """1 KiB a token: a 1,024-token hit is 1 MiB. Over a link measured at 1 MiB/s it takes
+    a second to load against 0.1 s to compute (the workers' step figures): declined, counted
+    once; with the link back at 1 GiB/s the same hit is claimed."""
+    from lmcache_remote.engine.decision import LoadDecision
+
+    clock = Clock()
+    decision = LoadDecision(clock=clock, probe_interval=5.0, chunk_size=C)
+    s = side(1024, decision=decision, bytes_per_token=1024.0)
+    s.worker_report(set(), False, 1024 * 1024.0, (1024, 1024 * 512, 0.1))
+    prompt = list(range(1100))
+    assert s.num_new_matched_tokens("r", prompt, 0) == 256  # nothing loaded yet: a probe
+    assert s.loads_async(256, "r")  # a probe never holds a step
+    clock.advance(1.0)
+    assert s.num_new_matched_tokens("q", prompt, 0) == 0
+    assert s.num_new_matched_tokens("q", prompt, 0) == 0  # asked again: the same verdict
+    s.after_alloc("q", 0, prompt_tokens=1100)
+    assert s.metrics.get("vllm.declined_tokens") == 1024
+    s.worker_report(set(), False, 1024 ** 3, None)
+    assert s.num_new_matched_tokens("p", prompt, 0) == 1024
+    assert s.metrics.gauges()["decision.link_bytes_per_s"] > 100 * 1024 * 1024
+
+
+def test_a_failed_load_is_promised_twice_at_most_and_a_down_link_not_at_all() -> None:
+    from lmcache_remote.engine.decision import LoadDecision
+
+    clock = Clock()
+    s = side(1024, decision=LoadDecision(clock=clock, probe_interval=5.0, chunk_size=C),
+             bytes_per_token=1024.0)
+    prompt = list(range(1100))
+    for _ in range(MAX_LOAD_FAILURES):
+        assert s.num_new_matched_tokens("r", prompt, 0) == 1024
+        s.worker_report({"r"}, False, None, None)  # its load failed (failed blocks)
+    assert s.num_new_matched_tokens("r", prompt, 0) == 0  # computed from now on
+    assert s.metrics.get("vllm.failed_load_requests") == MAX_LOAD_FAILURES
+    s.worker_report(set(), True, None, None)  # a worker's link is backing off
+    assert s.num_new_matched_tokens("q", prompt, 0) == 0
+    clock.advance(5.0)
+    assert s.num_new_matched_tokens("p", prompt, 0) == 256  # a probe, once an interval
+    s.worker_report(set(), False, None, None)  # healthy again
+    assert s.num_new_matched_tokens("o", prompt, 0) == 1024
+    s.finish("r")
+    assert s.num_new_matched_tokens("r", prompt, 0) == 1024  # a new request of that id

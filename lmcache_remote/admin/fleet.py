@@ -6,7 +6,8 @@ SCAN, reads them in one pipeline per page and adds the counters up.
 
 A vLLM engine publishes from every worker (loads and stores, per rank) and from its scheduler
 (`role` `scheduler`: the prompt tokens vLLM was sent, what vLLM's own prefix cache held, what
-this cache promised; `integrations.vllm_core.fleet`). Per model namespace (`by_model`) the
+this cache promised, what it declined because computing was cheaper, and the figures of its
+load decision; `integrations.vllm_core.fleet`). Per model namespace (`by_model`) the
 view then says where the prompt tokens came from: vLLM's own cache, the local CPU tier, Redis,
 or computed; each rank loads its share of the heads, so a worker's tokens count divided by
 its world size.
@@ -28,12 +29,15 @@ SUMMED = (
     "remote_unauthenticated_chunks", "duplicate_writes_skipped", "local_hit_tokens",
     "remote_hit_tokens", "prompt_tokens", "device_cached_tokens", "promised_tokens",
     "scheduler_lookup_requests", "scheduler_lookup_errors", "unnamed_requests",
+    "declined_tokens", "probe_loads", "failed_load_requests",
 )  # fmt: skip
 #: Per model: counters of the workers, divided by their world size (tokens of a request).
 _PER_REQUEST = ("local_hit_tokens", "remote_hit_tokens", "retrieved_tokens",
                 "promise_broken_tokens")
 #: Per model: counters of the schedulers, as they are.
-_SCHEDULER = ("prompt_tokens", "device_cached_tokens", "promised_tokens")
+_SCHEDULER = ("prompt_tokens", "device_cached_tokens", "promised_tokens", "declined_tokens")
+#: Per model: the schedulers' decision figures (the slowest link, the fastest prefill shown).
+_FIGURES = {"link_bytes_per_s": min, "link_rtt_s": max, "prefill_tokens_per_s": max}
 
 
 def _number(value: bytes | str | None) -> float:
@@ -68,6 +72,10 @@ def fleet_stats(client: Any, prefix: str) -> dict[str, Any]:
                 row["schedulers"] += 1
                 for name in _SCHEDULER:
                     row[name] += _number(data.get(name))
+                for name, pick in _FIGURES.items():
+                    if data.get(name) is not None:
+                        value = _number(data.get(name))
+                        row[name] = pick(row[name], value) if name in row else value
             else:
                 row["engines"] += 1
                 world = max(1.0, _number(data.get("world_size")) or 1.0)
@@ -85,12 +93,14 @@ def fleet_stats(client: Any, prefix: str) -> dict[str, Any]:
 def _model_view(row: dict[str, float]) -> dict[str, Any]:
     """One namespace's figures; with a scheduler's (vLLM), where its prompt tokens came from
     and the hit rate of this cache (`cache_hit_rate`: local tier and Redis over the prompt)."""
-    view: dict[str, Any] = {k: int(v) if float(v).is_integer() else round(v, 3)
+    view: dict[str, Any] = {k: int(v) if float(v).is_integer() else round(v, 6)
                             for k, v in row.items()}
     prompt = row["prompt_tokens"]
     served = row["local_hit_tokens"] + row["remote_hit_tokens"]
-    view["computed_tokens"] = (max(0, round(prompt - row["device_cached_tokens"] - served))
-                               if row["schedulers"] else None)
+    # declined tokens were held but computed because that was cheaper: not misses
+    view["computed_tokens"] = (
+        max(0, round(prompt - row["device_cached_tokens"] - served - row["declined_tokens"]))
+        if row["schedulers"] else None)
     view["cache_hit_rate"] = _ratio(served, prompt)
     view["promised_rate"] = _ratio(row["promised_tokens"], prompt)
     return view

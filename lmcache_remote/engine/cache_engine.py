@@ -69,6 +69,7 @@ import torch
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.connectors import KVView
 from lmcache_remote.engine import startup
+from lmcache_remote.engine.decision import ChunkDecisions, LoadDecision
 from lmcache_remote.engine.metadata import EngineMetadata, key_namespace
 from lmcache_remote.engine.promises import PromiseLedger
 from lmcache_remote.engine.reporting import EngineReporter
@@ -112,6 +113,12 @@ class CacheEngine:
         self.reporter = EngineReporter(config, ns.model_name, ns.world_size, ns.worker_id,
                                        ns.dtype, self.metrics, self.storage)
         self._promises = PromiseLedger()
+        #: how much of a hit to load (`engine.decision`): the link as this engine measures it,
+        #: the prefill as its caller reports it (`record_prefill`)
+        self.decisions = ChunkDecisions(
+            LoadDecision.from_config(config, link=self.storage.link),
+            self.layout.nbytes(config.chunk_size) / config.chunk_size,
+            self.storage.local_prefix, self.metrics)
         self._log = RateLimitedLogger(logger)
         self._frozen = False
         self._closed = False
@@ -154,16 +161,22 @@ class CacheEngine:
         self._frozen = enabled
 
     def lookup(self, tokens: Any, *, cache_salt: str | None = None,
-               identity: RequestIdentity | None = None) -> int:
+               identity: RequestIdentity | None = None, load_policy: str | None = None) -> int:
+        """Leading tokens worth retrieving now: held (local tier or Redis) and, under the
+        `load_policy` (`load_policy=` overrides the configuration's for this call), cheaper
+        to load than to compute (`engine.decision`); the retrieve that follows loads exactly
+        these. Tokens held but left to compute are counted in `engine.declined_tokens`, and
+        still count as hits of the cache (`engine.lookup_hit_tokens`: what it holds)."""
         start = time.perf_counter()
         specs = self.token_db.prefix_keys(tokens, resolve(cache_salt, identity))
-        hits = self.storage.leading_chunks(specs)
+        held = self.storage.leading_chunks(specs)
+        hits = self.decisions.cut(specs[:held], load_policy, remember=True) if held else 0
         hit_tokens = specs[hits - 1].end if hits else 0
         if hits:
             self._promises.promise(specs[hits - 1])
         self.metrics.inc("engine.lookup_requests")
         self.metrics.inc("engine.lookup_tokens", specs[-1].end if specs else 0)
-        self.metrics.inc("engine.lookup_hit_tokens", hit_tokens)
+        self.metrics.inc("engine.lookup_hit_tokens", specs[held - 1].end if held else 0)
         self.metrics.observe("engine.lookup_seconds", time.perf_counter() - start)
         return hit_tokens
 
@@ -187,7 +200,7 @@ class CacheEngine:
 
     def retrieve(
         self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
-        identity: RequestIdentity | None = None,
+        identity: RequestIdentity | None = None, load_policy: str | None = None,
     ) -> torch.Tensor:
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
@@ -197,7 +210,8 @@ class CacheEngine:
         if not specs:
             return ret
         self._check_view(kv)
-        objs = self.storage.fetch(specs)
+        wanted = self.decisions.cut(specs, load_policy, remember=False)
+        objs = self.storage.fetch(specs[:wanted]) if wanted else []
         self._check_promise(specs, len(objs))
         try:
             hit = specs[: len(objs)]
@@ -246,7 +260,7 @@ class CacheEngine:
 
     def retrieve_layer(
         self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
-        identity: RequestIdentity | None = None,
+        identity: RequestIdentity | None = None, load_policy: str | None = None,
     ) -> Generator[torch.Tensor, None, None]:
         """`retrieve`, one layer per step: a generator the caller advances with `next()`.
 
@@ -271,7 +285,17 @@ class CacheEngine:
         self.metrics.inc("engine.retrieve_requests")
         if specs:
             self._check_view(kv)
-        return self._retrieve_layers(len(arr), specs, kv, start)
+        wanted = self.decisions.cut(specs, load_policy, remember=False)
+        return self._retrieve_layers(len(arr), specs, wanted, kv, start)
+
+    def record_prefill(self, num_tokens: int, seconds: float, start: int = 0) -> None:
+        """This engine computed tokens `[start, start + num_tokens)` of a prompt (their
+        prefill, in one forward) in `seconds`: the load decision's figure of what computing
+        costs at that context (`telemetry.figures.PrefillFigures`). Engines that never report
+        it are decided with `prefill_tokens_per_s`, or the prior (docs/load-decision.md)."""
+        work = num_tokens * (start + num_tokens / 2)
+        self.decisions.decision.prefill.observe(num_tokens, work, seconds)
+        self.decisions.publish()
 
     def check_remote(self) -> None:
         """Check now that Redis answers and lets this client use the cache: PING, then the
@@ -301,6 +325,7 @@ class CacheEngine:
         for scope, values in self.storage.gauges().items():
             snap.setdefault(scope, {}).update(values)
         snap.setdefault("engine", {})["frozen"] = self._frozen
+        snap["decision"] = self.decisions.decision.snapshot()
         return snap
 
     def close(self) -> None:
@@ -402,10 +427,10 @@ class CacheEngine:
         yield result
 
     def _retrieve_layers(
-        self, num_tokens: int, specs: list[ChunkSpec], kv: KVView, start: float
+        self, num_tokens: int, specs: list[ChunkSpec], wanted: int, kv: KVView, start: float
     ) -> Generator[torch.Tensor, None, None]:
         ret = torch.zeros(num_tokens, dtype=torch.bool)
-        objs = self.storage.fetch(specs) if specs else []
+        objs = self.storage.fetch(specs[:wanted]) if wanted else []
         if specs:
             self._check_promise(specs, len(objs))
         hit = specs[: len(objs)]

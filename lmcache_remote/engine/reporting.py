@@ -61,6 +61,7 @@ PUBLISHED_COUNTERS = {
     "remote_foreign_chunks": "remote.foreign_chunks",
     "remote_unauthenticated_chunks": "remote.unauthenticated_chunks",
     "duplicate_writes_skipped": "remote.duplicate_writes_skipped",
+    "declined_tokens": "engine.declined_tokens",
 }
 
 

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 from lmcache_remote import native
 from lmcache_remote.config import CacheConfig, mask_url
+from lmcache_remote.engine.decision import LoadDecision
 from lmcache_remote.errors import ConfigError
 from lmcache_remote.storage.connections import ConnectionCount
 from lmcache_remote.storage.cpus import available_cpus
@@ -96,6 +97,14 @@ def vllm_version() -> str | None:
     return None if module is None else str(getattr(module, "__version__", "unknown"))
 
 
+def load_decision(config: CacheConfig) -> str:
+    """The load decision's policy and the figures it starts from (set or prior)."""
+    decision = LoadDecision.from_config(config)
+    if decision.policy == "always":
+        return "load policy always (every hit loaded)"
+    return f"load policy pays, from {decision.figures().describe()}"
+
+
 def startup_line(config: CacheConfig, *, role: str, namespace: str,
                  connections: ConnectionCount, kv_layout: str | None = None) -> str:
     """The one line; see the module docstring."""
@@ -110,6 +119,7 @@ def startup_line(config: CacheConfig, *, role: str, namespace: str,
         parts.append(f"KV layout {kv_layout}")
     parts.append(f"connections <= {connections.describe()}")
     parts.append(f"serde threads {threads} ({available_cpus()} CPUs available)")
+    parts.append(load_decision(config))
     shown = ", ".join(f"{k}={v!r}" for k, v in masked_config(config).items())
     parts.append(f"config: {shown}")
     return "; ".join(parts)

@@ -26,6 +26,12 @@ Rules that keep the output equal to a full recompute:
   its own prefix and its own chunks. Prompts of different lengths go in separate calls.
 - Only the prompt's KV is stored, never generated tokens'.
 
+What to load is the engine's load decision (`CacheEngine.lookup`, docs/load-decision.md):
+`prefill` and `generate` time the model's forward over the uncomputed part of the prompt and
+report it (`CacheEngine.record_prefill`), so the decision weighs loading against this model's
+own prefill speed on this device, at that context length; a hit slower to load than to
+compute is computed.
+
 Model namespace (the model field of the cache keys; `engine.metadata`): the model name, then `@` and
 the fingerprint of the weights (`lmcache_remote.naming.fingerprint`, docs/key-schema.md). The name
 is the `model_name` argument when given; otherwise the config's `name_or_path` (what
@@ -57,9 +63,12 @@ transformers is imported when a function here needs it, not at import time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
+import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -302,7 +311,8 @@ class CachedLM:
         ids = self._batch(input_ids)
         _only_token_ids(model_kwargs)
         cache, hit = self.load(ids)
-        out = self.forward_suffix(ids, cache, hit, **model_kwargs)
+        with self._timed_prefill(ids, hit):
+            out = self.forward_suffix(ids, cache, hit, **model_kwargs)
         stored = self.save(ids, cache, skip=hit) if self.store_enabled else [0] * len(ids)
         return Prefill(out.logits, cache, hit, stored)
 
@@ -330,10 +340,11 @@ class CachedLM:
             raise ValueError("padded batches are not supported: pass prompts without padding")
         _only_token_ids(generate_kwargs)
         cache, hit = self.load(ids)
-        output = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), **{self._cache_kw: cache},
-            **generate_kwargs,
-        )
+        with self._timed_prefill(ids, hit):
+            output = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), **{self._cache_kw: cache},
+                **generate_kwargs,
+            )
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         stored = [0] * len(ids)
         if self.store_enabled:
@@ -345,6 +356,38 @@ class CachedLM:
         return Generation(sequences, output, hit, stored)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _timed_prefill(self, ids: torch.Tensor, hit: int) -> Iterator[None]:
+        """The model's first forward inside (the prefill of positions `hit..T-1`), timed and
+        reported to the engine's load decision as one row's prefill (`record_prefill`);
+        on CUDA the device is synchronised around it so that the time is the kernels'."""
+        started: list[float] = []
+        timed: list[float] = []
+        cuda = ids.is_cuda or next(self.model.parameters()).is_cuda
+
+        def before(module: Any, args: Any, kwargs: Any = None) -> None:
+            if not started:
+                if cuda:
+                    torch.cuda.synchronize()
+                started.append(time.perf_counter())
+
+        def after(module: Any, args: Any, output: Any, kwargs: Any = None) -> None:
+            if started and not timed:
+                if cuda:
+                    torch.cuda.synchronize()
+                timed.append(time.perf_counter() - started[0])
+
+        pre = self.model.register_forward_pre_hook(before)
+        post = self.model.register_forward_hook(after)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+        rows, length = ids.shape
+        if timed and length > hit:
+            self.engine.record_prefill(length - hit, timed[0] / max(1, rows), start=hit)
 
     def _batch(self, input_ids: Any) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long)

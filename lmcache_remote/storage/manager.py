@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.errors import BackendError
+from lmcache_remote.errors import BackendError, BackendTimeoutError
 from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage.access import check_access
@@ -60,6 +61,7 @@ from lmcache_remote.storage.write_behind import (
     put_remote,
     timed,
 )
+from lmcache_remote.telemetry.figures import LinkFigures
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,9 @@ class StorageManager:
             if self.remote is not None and config.store_async
             else None
         )
+        #: the link to Redis as this process measures it: round trips from lookups, throughput
+        #: from reads (`telemetry.figures`; the load decision reads it)
+        self.link = LinkFigures()
         self._log = RateLimitedLogger(logger)
 
     # -- memory -------------------------------------------------------------------------------
@@ -142,6 +147,13 @@ class StorageManager:
         note_remote_failure(self.metrics, self._log, what, exc,
                             "remote %s failed, treated as a miss: %s", what, exc)
 
+    def local_prefix(self, specs: Sequence[ChunkSpec]) -> int:
+        """How many leading chunks of `specs` the local tier holds now (no remote call)."""
+        if self.local is None:
+            return 0
+        present = self.local.contains(specs)
+        return next((i for i, p in enumerate(present) if not p), len(specs))
+
     def leading_chunks(self, specs: Sequence[ChunkSpec]) -> int:
         """How many leading chunks are retrievable now (local or remote)."""
         present = self.local.contains(specs) if self.local is not None else [False] * len(specs)
@@ -149,9 +161,11 @@ class StorageManager:
         if first_missing < len(specs) and self.remote is not None:
             tail = zip(specs[first_missing:], present[first_missing:], strict=True)
             rest = [s for s, p in tail if not p]
+            start = time.perf_counter()
             try:
                 found = iter(timed(self.metrics, "remote.contains_seconds",
                                     self.remote.contains, rest))
+                self.link.round_trip(time.perf_counter() - start)
             except BackendError as exc:
                 self._remote_failed("lookup", exc)
                 found = iter(())
@@ -192,9 +206,14 @@ class StorageManager:
         tail = zip(specs[first_missing:], local[first_missing:], strict=True)
         missing = [s for s, o in tail if o is None]
         if missing and self.remote is not None:
+            start = time.perf_counter()
             try:
                 remote = timed(self.metrics, "remote.get_seconds", self.remote.get, missing)
+                self.link.transfer(sum(o.nbytes for o in remote), time.perf_counter() - start)
             except BackendError as exc:
+                if isinstance(exc, BackendTimeoutError):
+                    self.link.stalled(sum(self.layout.nbytes(s.num_tokens) for s in missing),
+                                      time.perf_counter() - start)
                 self._remote_failed("get", exc)
             if remote and self.local is not None:
                 self.local.put([s.key for s in missing[: len(remote)]], remote)

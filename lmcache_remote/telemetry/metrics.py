@@ -54,6 +54,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._counters: dict[str, float] = defaultdict(float)
         self._histograms: dict[str, Histogram] = {}
+        self._gauges: dict[str, float] = {}
 
     def observe(self, name: str, seconds: float) -> None:
         """Record one latency: counter `name` += seconds, and the histogram `name`."""
@@ -82,6 +83,16 @@ class Metrics:
     def inc(self, name: str, value: float = 1) -> None:
         with self._lock:
             self._counters[name] += value
+
+    def set_gauge(self, name: str, value: float) -> None:
+        """A figure that goes up and down (a link's measured throughput), by full name."""
+        with self._lock:
+            self._gauges[name] = value
+
+    def gauges(self) -> dict[str, float]:
+        """A flat copy of every gauge, by full name."""
+        with self._lock:
+            return dict(self._gauges)
 
     def get(self, name: str) -> float:
         with self._lock:

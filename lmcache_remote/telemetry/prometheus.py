@@ -8,6 +8,8 @@ Names (the full list with meanings is in `docs/metrics.md`):
   are exported as histograms only;
 - a latency histogram `scope.name_seconds` becomes the histogram `lmcr_<scope>_<name>_seconds`
   (`lmcr_engine_lookup_seconds_bucket{le="0.005"}`, `_sum`, `_count`);
+- a gauge `scope.name` (`Metrics.set_gauge`: the load decision's figures) becomes the gauge
+  `lmcr_<scope>_<name>` (engines of one process with the same labels: the last one's);
 - every sample carries the engine's labels `host`, `model` (its namespace) and `worker` (its
   rank): stable across restarts, so a restarted engine continues its series (a counter reset,
   which `rate()` handles) instead of starting new ones; engines of one process with the same
@@ -29,7 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from lmcache_remote.telemetry.metrics import LATENCY_BUCKETS, Histogram, sources
@@ -54,6 +56,19 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Any]:
         counters: dict[str, CounterMetricFamily] = {}
         histograms: dict[str, HistogramMetricFamily] = {}
+        latest: dict[tuple[str, tuple[str, ...]], float] = {}  # (name, labels) -> last value
+        for src in sources():
+            key = tuple(src.labels.get(k, "") for k in LABELS)
+            for name, value in src.metrics.gauges().items():
+                latest[name, key] = value
+        gauges: dict[str, GaugeMetricFamily] = {}
+        for (name, label_values), value in sorted(latest.items()):
+            family, extra = metric_name(name)
+            fam_g = gauges.get(family)
+            if fam_g is None:
+                fam_g = gauges[family] = GaugeMetricFamily(
+                    family, f"lmcache-remote figure {name}", labels=[*LABELS, *extra])
+            fam_g.add_metric([*label_values, *extra.values()], value)
         for labels, summed, hists in _merged():
             for name, value in sorted(summed.items()):
                 if name.endswith("_seconds"):
@@ -80,6 +95,7 @@ class EngineCollector(Collector):
                 fam_h.add_metric([*labels, *extra.values()], buckets, hist.total)
         yield from counters.values()
         yield from histograms.values()
+        yield from gauges.values()
 
 
 def _merged() -> list[tuple[list[str], dict[str, float], dict[str, Histogram]]]:

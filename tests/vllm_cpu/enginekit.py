@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import select
 import subprocess
 import sys
 import uuid
@@ -50,7 +51,18 @@ class Engine:
         ready = self._answer()
         assert ready.get("ready"), ready
 
-    def _answer(self) -> dict[str, Any]:
+    def _answer(self, timeout: float | None = None) -> dict[str, Any]:
+        """The engine's next answer; with `timeout`, an AssertionError (the engine killed)
+        when none came within that many seconds: a request that never finishes fails the
+        test instead of hanging the suite."""
+        if timeout is not None:
+            ready, _, _ = select.select([self._results], [], [], timeout)
+            if not ready:
+                self._proc.kill()
+                self._proc.wait()
+                tail = self.log.read_text(errors="replace")[-4000:]
+                raise AssertionError(f"no answer within {timeout} s; the engine was killed:\n"
+                                     f"{tail}")
         line = self._results.readline()
         if not line:
             self._proc.wait(timeout=60)
@@ -60,12 +72,14 @@ class Engine:
         return answer
 
     def generate(self, prompt: list[int], max_tokens: int = 8,
-                 cache_salt: str | None = None, **extra: Any) -> dict[str, Any]:
+                 cache_salt: str | None = None, timeout: float | None = None,
+                 **extra: Any) -> dict[str, Any]:
         """The answer to `prompt` (engine_proc.py's `generate`); with `cache_salt`, computed
         whole whatever the engine's prefix cache or the connector holds. `extra`: the
         command's other optional fields, `images` (image seeds, see mmkit), `mm_uuids`,
         `lora` ({"name", "id", "path", "load_inplace"}), `embeds` (a .pt file of a 2-D
-        tensor, which replaces `prompt`)."""
+        tensor, which replaces `prompt`). `timeout`: seconds to wait for the answer (see
+        `_answer`)."""
         command: dict[str, Any] = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens}
         if cache_salt is not None:
             command["cache_salt"] = cache_salt
@@ -73,13 +87,14 @@ class Engine:
         assert not unknown, f"generate: unknown fields {sorted(unknown)}"
         command.update({k: str(v) if k == "embeds" else v
                         for k, v in extra.items() if v is not None})
-        return self._command(command)
+        return self._command(command, timeout)
 
-    def _command(self, command: dict[str, Any]) -> dict[str, Any]:
+    def _command(self, command: dict[str, Any], timeout: float | None = None
+                 ) -> dict[str, Any]:
         assert self._proc.stdin is not None
         self._proc.stdin.write(json.dumps(command) + "\n")
         self._proc.stdin.flush()
-        return self._answer()
+        return self._answer(timeout)
 
     def reset_encoder_cache(self) -> None:
         """Empties vLLM's encoder cache (cached vision-tower outputs): an image not covered

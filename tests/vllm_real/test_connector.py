@@ -165,6 +165,9 @@ def test_the_connector_figures_reach_vllms_metrics_summed_over_ranks(
     assert "promise_broken_tokens" not in counters
     assert sum(total.data["latency"]["retrieve_seconds"]) >= 2
     assert total.reduce()["cache_hit_rate"] == round(2 * CHUNK / len(tokens), 4)
+    gauges = total.data["gauges"]  # the scheduler's load decision, its figures now
+    assert gauges["link_rtt_seconds"] > 0 and gauges["link_bytes_per_s"] > 0
+    assert gauges["prefill_tokens_per_s"] > 0
 
     registry = CollectorRegistry()
 
@@ -183,6 +186,8 @@ def test_the_connector_figures_reach_vllms_metrics_summed_over_ranks(
     assert f"vllm:lmcache_remote_promised_tokens_total{labels} {2 * CHUNK}.0" in text
     assert f"vllm:lmcache_remote_retrieved_tokens_total{labels} {4 * CHUNK}.0" in text
     assert "vllm:lmcache_remote_retrieve_seconds_count" in text
+    for gauge in ("link_bytes_per_s", "link_rtt_seconds", "prefill_tokens_per_s"):
+        assert f"vllm:lmcache_remote_{gauge}{labels}" in text
 
 
 def test_the_fleet_view_says_where_a_vllm_engines_prompt_tokens_came_from(
@@ -799,6 +804,37 @@ def test_background_load_that_comes_back_short_is_recomputed_and_stored_again(
     assert b.finished["r2"] == FinishReason.LENGTH
     assert len(chunk_keys(redis_client, key_prefix)) == 5  # the lost chunk is back
     assert _pool_used(b) == [0]
+
+
+@pytest.mark.parametrize("async_min", [None, 1024], ids=["in-step", "background"])
+def test_a_load_that_always_fails_is_promised_at_most_twice(
+    engines: Engines, redis_client: redis.Redis, key_prefix: str, async_min: int | None
+) -> None:
+    """Chunk 0's value is of another format version: a lookup sees it, a load never serves
+    it and leaves it in place (a rolling upgrade's rule). Each load of the request fails
+    whole, so vLLM puts the request back with nothing computed and asks the connector again;
+    vLLM learns of the failure by failed blocks, and the workers tell the scheduler which
+    request failed (worker metadata): it is promised the hit at most `MAX_LOAD_FAILURES`
+    times, then computed, and it finishes (before, a background load looped for ever)."""
+    from lmcache_remote.integrations.vllm_core.scheduler import MAX_LOAD_FAILURES
+    from lmcache_remote.naming.hashing import TokenDatabase
+
+    tokens = prompt(1400, seed=61)
+    prefill(engines(store_async=False), "r1", tokens)
+    b = engines(local_cpu=False, store_async=False, async_load_min_tokens=async_min)
+    ns = b.scheduler_connector._lookup.namespaces[0]
+    key = TokenDatabase(ns, CHUNK, False).prefix_keys(tokens)[0].key.redis_key(key_prefix)
+    redis_client.setrange(key, 4, b"\x02")
+    b.add("r2", tokens, max_tokens=2)
+    b.run(["r2"], max_steps=100)
+    assert b.finished["r2"] == FinishReason.LENGTH
+    failures = [blocks for blocks in b.invalid_blocks if blocks]
+    assert 1 <= len(failures) <= MAX_LOAD_FAILURES
+    if async_min is not None:  # a background load: nothing read before vLLM recomputed it
+        assert b.bad_reads == []
+    else:  # within the step: only the failing step's forward read over the gap, then redone
+        assert {(r, pos) for r, _, _, pos in b.bad_reads} == {("r2", 0)}
+    assert redis_client.exists(key)  # left in place: another release may read it
 
 
 # -- asynchronous saves ------------------------------------------------------------------------

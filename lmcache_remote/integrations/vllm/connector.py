@@ -83,6 +83,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from lmcache_remote.engine.decision import LoadDecision
 from lmcache_remote.integrations.vllm.caches import cache_writer, caches_from_forward_context
 from lmcache_remote.integrations.vllm.config import (
     check_version,
@@ -141,6 +142,7 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | GroupedWorker | None = None
         self._names: RequestNames | None = None
+        self._reported_down = False  # the link state this worker last told the scheduler
         self._passthrough = unserved_model(kv_cache_config, self._settings.config.chunk_size)
         if self._passthrough is not None:
             logger.warning(
@@ -173,7 +175,9 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
                 can_load=can_load, can_save=can_save,
                 async_load_min_tokens=settings.async_load_min_tokens,
                 async_save=settings.async_save, lookup_wait_s=settings.lookup_wait_s,
-                groups=grouped)
+                groups=grouped,
+                decision=LoadDecision.from_config(config, link=self._lookup.link),
+                bytes_per_token=self._lookup.bytes_per_token)
             if config.stats_publish_interval is not None and self._lookup.remote is not None:
                 self._fleet = SchedulerPublisher(
                     config, self._lookup.remote, [self._scheduler.metrics, self._lookup.metrics],
@@ -238,7 +242,9 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         namespace = getattr(connector_metadata, "namespace", None)
         if namespace:
             worker.rename_model(namespace)
-        worker.begin_step(list(getattr(connector_metadata, "requests", [])))
+        worker.begin_step(list(getattr(connector_metadata, "requests", [])),
+                          (int(getattr(connector_metadata, "step_tokens", 0)),
+                           float(getattr(connector_metadata, "step_work", 0.0))))
 
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33's sleep: every transfer is finished and nothing touches the caches until
@@ -251,12 +257,20 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker_side().resume()
 
     def build_connector_worker_meta(self) -> Any:
-        if self._passthrough is not None:
+        """This rank's report to the scheduler (`LmcrWorkerMetadata`), in every step with
+        something to say: None when nothing failed, nothing was measured and the link is up
+        and was reported up (vLLM then has nothing of ours to carry). A link that is down is
+        reported every step, so that over several ranks the scheduler sees any rank's."""
+        if self._passthrough is not None or KVConnectorWorkerMetadata is object:
             return None
         worker = self._worker_side()
-        if worker.disabled is None or KVConnectorWorkerMetadata is object:
-            return None
-        return LmcrWorkerMetadata(worker.disabled)
+        report = worker.report()
+        quiet = (worker.disabled is None and not report["failed_loads"]
+                 and report["throughput"] is None and report["step"] is None
+                 and not report["link_down"] and not self._reported_down)
+        self._reported_down = bool(report["link_down"])
+        return None if quiet else LmcrWorkerMetadata(worker.disabled,
+                                                     **report)  # type: ignore[arg-type]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._passthrough is not None:
@@ -372,7 +386,7 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
                                         identity)
         if n is None:
             return None, False  # the lookup is still running: vLLM asks again later
-        return n, side.loads_async(n)
+        return n, side.loads_async(n, request.request_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -401,6 +415,7 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
                           cached.num_computed_tokens[i])
             for i, req_id in enumerate(cached.req_ids)
         ]
+        step_tokens, step_work = _step_work(scheduler_output)
         if self._fleet is not None:
             self._fleet.tick()
         plans = side.build(
@@ -409,7 +424,7 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         )
         return LmcrConnectorMetadata(
             plans, set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
-            self._namespace)
+            self._namespace, step_tokens, step_work)
 
     def reset_cache(self) -> bool | None:
         """vLLM's `reset_prefix_cache(reset_connector=True)` (and `pause_generation` with
@@ -429,12 +444,16 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._passthrough is not None:
             return
+        side = self._scheduler_side()
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
         if isinstance(meta, LmcrWorkerMetadata):
-            self._scheduler_side().turn_off(meta.disabled)
-        failed = getattr(connector_output, "failed_recving", None)
-        if failed:
-            self._scheduler_side().load_failed(failed)
+            if meta.disabled:
+                side.turn_off(meta.disabled)
+            side.worker_report(failed | meta.failed_loads, meta.link_down, meta.throughput,
+                               meta.step)
+        elif failed:
+            side.load_failed(failed)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool,
                                                                            dict[str, Any] | None]:
@@ -479,3 +498,18 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("scheduler hook called on the worker-side connector")
         return self._scheduler
 
+
+def _step_work(scheduler_output: Any) -> tuple[int, float]:
+    """The step's computed tokens (every request's) and their summed context (the sum of
+    their positions), which the workers time the forward against."""
+    computed: dict[str, int] = {}
+    for r in scheduler_output.scheduled_new_reqs:
+        computed[r.req_id] = int(r.num_computed_tokens)
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        computed[req_id] = int(cached.num_computed_tokens[i])
+    tokens, work = 0, 0.0
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        tokens += int(n)
+        work += n * (computed.get(req_id, 0) + n / 2)
+    return tokens, work

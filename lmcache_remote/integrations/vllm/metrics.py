@@ -38,7 +38,8 @@ class LmcrConnectorStats(KVConnectorStats):
 class LmcrPromMetrics(KVConnectorPromMetrics):
     """The figures on vLLM's `/metrics` (the API server's registry, vLLM's labels): a counter
     `vllm:lmcache_remote_<name>_total` per payload counter, a histogram per latency (the
-    cache's own buckets, replayed: `vllm_core.stats.bucket_values`)."""
+    cache's own buckets, replayed: `vllm_core.stats.bucket_values`), a gauge per decision
+    figure (`vllm:lmcache_remote_link_bytes_per_s`, ...)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -56,8 +57,18 @@ class LmcrPromMetrics(KVConnectorPromMetrics):
                                              ).labels(*values)
                     for idx, values in per_engine_labelvalues.items()}
             for field, (_, doc) in connector_stats.LATENCIES.items()}
+        self._gauges = {
+            field: {idx: self._gauge_cls(name=names[field], documentation=doc,
+                                         labelnames=labelnames,
+                                         multiprocess_mode="mostrecent").labels(*values)
+                    for idx, values in per_engine_labelvalues.items()}
+            for field, (_, doc) in connector_stats.GAUGES.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for field, value in transfer_stats_data.get("gauges", {}).items():
+            gauge = self._gauges.get(field, {}).get(engine_idx)
+            if gauge is not None:
+                gauge.set(value)
         for field, value in transfer_stats_data.get("counters", {}).items():
             counter = self._counters.get(field, {}).get(engine_idx)
             if counter is not None and value > 0:

@@ -2,11 +2,12 @@
 
 Workers are engines and publish their loads and stores (`reporting.EngineReporter`); what only
 the scheduler knows, the prompt tokens vLLM was sent, what its own prefix cache held and what
-this cache promised, is published here, into a hash of its own (`{prefix}:engines:{id}`,
-`role` `scheduler`), so the fleet view can say, per model namespace, how many of the prompt
-tokens came from each tier. The scheduler side starts no thread: `tick()`, called every step,
-publishes when `stats_publish_interval` has passed (one pipelined round trip, skipped while
-Redis is unhealthy), and `close()` once more.
+this cache promised, what it declined (computing was cheaper), the figures its load decision
+uses now (link throughput and round trip, prefill speed), is published here, into a hash of
+its own (`{prefix}:engines:{id}`, `role` `scheduler`), so the fleet view can say, per model
+namespace, how many of the prompt tokens came from each tier. The scheduler side starts no
+thread: `tick()`, called every step, publishes when `stats_publish_interval` has passed (one
+pipelined round trip, skipped while Redis is unhealthy), and `close()` once more.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.telemetry.metrics import Metrics, summed_counters
 
-__all__ = ["SCHEDULER_COUNTERS", "SchedulerPublisher"]
+__all__ = ["SCHEDULER_COUNTERS", "SCHEDULER_FIGURES", "SchedulerPublisher"]
 
 #: Published field -> the scheduler-side counter (`SchedulerSide.metrics`, the lookup's).
 SCHEDULER_COUNTERS = {
@@ -33,6 +34,16 @@ SCHEDULER_COUNTERS = {
     "unnamed_requests": "vllm.unnamed_requests",
     "scheduler_lookup_requests": "lookup.requests",
     "scheduler_lookup_errors": "lookup.remote_errors",
+    "declined_tokens": "vllm.declined_tokens",
+    "probe_loads": "vllm.probe_loads",
+    "failed_load_requests": "vllm.failed_load_requests",
+}
+#: Published field -> the scheduler's gauge (`decision.publish_figures`): the figures its
+#: load decision uses now.
+SCHEDULER_FIGURES = {
+    "link_bytes_per_s": "decision.link_bytes_per_s",
+    "link_rtt_s": "decision.link_rtt_seconds",
+    "prefill_tokens_per_s": "decision.prefill_tokens_per_s",
 }
 
 
@@ -57,6 +68,10 @@ class SchedulerPublisher:
         out = dict(self._identity)
         out["model_name"] = self._namespace()
         out.update(counter_fields(summed_counters(self._sources), SCHEDULER_COUNTERS))
+        gauges = {name: value for source in self._sources
+                  for name, value in source.gauges().items()}
+        out.update({field: round(gauges[name], 6) for field, name in SCHEDULER_FIGURES.items()
+                    if name in gauges})
         out["updated_at"] = round(time.time(), 3)
         return out
 

@@ -18,7 +18,9 @@ waits, in the scheduler's own thread: the answer must cost one round trip and no
   the cap `CacheEngine.lookup` applies too); the tokens left out are counted in
   `lookup.capped_tokens`;
 - a remote failure is a miss (0), counted in `metrics` and logged rate-limited, never raised;
-  with no remote tier configured every lookup is 0.
+  with no remote tier configured every lookup is 0;
+- each round trip is timed into `link` (`telemetry.figures.LinkFigures`): the load decision's
+  round-trip figure; `bytes_per_token` is what a token of the hit weighs to load.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from lmcache_remote.storage.connections import lookup_connections
 from lmcache_remote.storage.memory import ChunkLayout
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.tiers import make_remote_lookup
+from lmcache_remote.telemetry.figures import LinkFigures
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class PrefixLookup:
         if self._remote is not None and self._remote.toucher is not None:
             self._remote.toucher.inline = True  # the scheduler's thread sends them: no thread
         self._log = RateLimitedLogger(logger)
+        self.link = LinkFigures()
         startup.announce(config, role="vllm scheduler", namespace=namespaces[0].model_name,
                          connections=lookup_connections(config))
 
@@ -82,6 +86,11 @@ class PrefixLookup:
     @property
     def namespaces(self) -> list[KeyNamespace]:
         return list(self._namespaces)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes a rank loads per hit token (its chunk layout's)."""
+        return self._layout.nbytes(self.chunk_size) / self.chunk_size
 
     def rename_model(self, model_name: str) -> None:
         """Look up under `model_name` from now on (every rank's namespace)."""
@@ -130,8 +139,11 @@ class PrefixLookup:
         """Which of `specs` Redis holds, in one round trip; None (counted, logged) when the
         call failed: a miss."""
         assert self._remote is not None
+        start = time.perf_counter()
         try:
-            return self._remote.contains(specs)
+            found = self._remote.contains(specs)
+            self.link.round_trip(time.perf_counter() - start)
+            return found
         except BackendError as exc:
             self.metrics.inc("lookup.remote_errors")
             self._log.warning("lookup", "lookup failed, counted as a miss: %s", exc)
@@ -163,6 +175,11 @@ class GroupLookup(PrefixLookup):
         self._groups = list(groups)
         self._layouts = list(layouts)
         self._group_namespaces = [list(ns) for ns in namespaces]
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes a rank loads per hit token, every group's chunk layout together."""
+        return sum(layout.nbytes(self.chunk_size) for layout in self._layouts) / self.chunk_size
 
     def rename_model(self, model_name: str) -> None:
         """Look up under `model_name` from now on (each group's field is `model_name` and the

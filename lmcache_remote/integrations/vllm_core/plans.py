@@ -39,6 +39,9 @@ class RequestPlan:
     async_load: bool = False
     group: int = 0
     """The KV cache group whose blocks `slot_mapping` addresses (`vllm_core.groups`)."""
+    load_budget: float | None = None
+    """Seconds the load may take (the scheduler's `decision.Verdict.load_budget`): past them
+    computing would have been quicker, and the load is abandoned as failed."""
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:

@@ -22,6 +22,14 @@ Scheduler side (`SchedulerSide`, one per vLLM engine, in the scheduler process):
   on a thread (`BackgroundLookup`) and answer None while still running.
 - `finish(req_id)`: forget the request; True (with `async_save`) when vLLM must keep its
   blocks until the workers report its background stores done.
+- What it claims is decided (`engine.decision.LoadDecision`, once per request and hit): the
+  part of the hit whose expected load time is shorter than computing it, nothing while a
+  worker reports its link down (but a probe now and then), and nothing for a request whose
+  load failed `MAX_LOAD_FAILURES` times, however vLLM learnt of the failure (a failed block
+  or a failed request: `load_failed`). A probe loads in the background, never within a step.
+- `worker_report(...)`: what the workers measured and saw this step (vLLM's worker
+  metadata): failed loads, the link's state and throughput, the forward's time, which feeds
+  the decision's prefill figures.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from lmcache_remote.engine.decision import LoadDecision, Verdict, publish_figures
 from lmcache_remote.integrations.vllm_core.groups import MAMBA, KVGroup, plain
 from lmcache_remote.integrations.vllm_core.lookup import BackgroundLookup
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span, slot_mapping
@@ -38,7 +47,7 @@ from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 
-#: A request whose background load failed this many times is not promised a hit again.
+#: A request whose load failed this many times is not promised a hit again.
 MAX_LOAD_FAILURES = 2
 
 
@@ -98,8 +107,14 @@ class SchedulerSide:
                  can_load: bool = True, can_save: bool = True,
                  async_load_min_tokens: int | None = None, async_save: bool = False,
                  lookup_wait_s: float | None = None,
-                 groups: Sequence[KVGroup] | None = None) -> None:
+                 groups: Sequence[KVGroup] | None = None,
+                 decision: LoadDecision | None = None, bytes_per_token: float = 0.0) -> None:
         self._lookup = lookup
+        #: how much of a hit to claim (None: all of it, as `load_policy: always`)
+        self.decision = decision
+        self.bytes_per_token = bytes_per_token
+        self._verdicts: dict[str, Verdict] = {}  # request -> the verdict on its hit
+        self._link_down = False  # a worker said its link to Redis is backing off
         #: the KV cache groups of a model that is not plain (`groups.plain`): plans per group,
         #: every load in the background; None: one full-attention group, as always
         self.groups = None if groups is None or plain(groups) else list(groups)
@@ -126,6 +141,8 @@ class SchedulerSide:
         #: `vllm.prompt_tokens`, `vllm.device_cached_tokens`, `vllm.promised_tokens`: per
         #: request, once, when vLLM first allocates for it (vllm_core.stats)
         self.metrics = Metrics()
+        if decision is not None:
+            publish_figures(self.metrics, decision.figures())
         self._log = RateLimitedLogger(logger)
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
@@ -150,9 +167,36 @@ class SchedulerSide:
             return 0
         n = len(prompt)
         end = hits if hits < n else (n - 1) // self.chunk_size * self.chunk_size
+        end = self._decide(req_id, num_computed, end)
         self._hits[req_id] = (num_computed, end)
         self._prompts[req_id] = list(prompt)
         return max(0, end - num_computed)
+
+    def _decide(self, req_id: str, num_computed: int, end: int) -> int:
+        """The end of what to claim of a hit `[num_computed, end)`: the request's verdict,
+        made once per hit (vLLM asks again while the request waits)."""
+        if self.decision is None or end <= num_computed:
+            self._verdicts.pop(req_id, None)
+            return end
+        verdict = self._verdicts.get(req_id)
+        if verdict is None or (verdict.start, verdict.end) != (num_computed, end):
+            verdict = self.decision.decide(num_computed, end, self.bytes_per_token,
+                                           link_down=self._link_down)
+            self._verdicts[req_id] = verdict
+        return verdict.load_end
+
+    def worker_report(self, failed_loads: Iterable[str], link_down: bool,
+                      throughput: float | None, step: tuple[int, float, float] | None) -> None:
+        """What the workers saw this step (see the module docstring)."""
+        self.load_failed(failed_loads)
+        self._link_down = link_down
+        if self.decision is None:
+            return
+        if throughput is not None:
+            self.decision.link.update(throughput, None)
+        if step is not None:
+            self.decision.prefill.observe(*step)
+        publish_figures(self.metrics, self.decision.figures())
 
     def turn_off(self, reason: str) -> None:
         """A worker's connector is off (its KV cache layout unproven): claim no more hits and
@@ -162,19 +206,28 @@ class SchedulerSide:
                          "connector off: %s", reason)
         self.can_load = self.can_save = False
 
-    def loads_async(self, num_tokens: int) -> bool:
+    def loads_async(self, num_tokens: int, req_id: str | None = None) -> bool:
         """Whether a hit of `num_tokens` is offered to vLLM as an asynchronous load: always
         for a model of several groups (vLLM cannot take a failed block of such a model, only
-        a failed request, which it recomputes whole)."""
+        a failed request, which it recomputes whole) and for a probe (a link declined or
+        down must never hold a step)."""
+        verdict = self._verdicts.get(req_id) if req_id is not None else None
+        if num_tokens > 0 and verdict is not None and verdict.probe:
+            return True
         if self.groups is not None:
             return num_tokens > 0
         limit = self.async_load_min_tokens
         return limit is not None and num_tokens >= limit
 
     def load_failed(self, req_ids: Iterable[str]) -> None:
-        """vLLM reports these requests' background loads failed (it recomputes them): a
-        request whose load failed `MAX_LOAD_FAILURES` times is not promised a hit again."""
-        for req_id in req_ids:
+        """These requests' loads failed (vLLM recomputes them; each request once per call):
+        a request whose load failed `MAX_LOAD_FAILURES` times is not promised a hit again,
+        and its next ask is decided anew."""
+        failed = set(req_ids)
+        if failed and self.decision is not None:
+            self.decision.load_ended()
+        for req_id in failed:
+            self._verdicts.pop(req_id, None)
             self._failures[req_id] = self._failures.get(req_id, 0) + 1
             self.metrics.inc("vllm.failed_load_requests")
             if self._failures[req_id] == MAX_LOAD_FAILURES:
@@ -210,6 +263,10 @@ class SchedulerSide:
             self.metrics.inc("vllm.prompt_tokens", prompt_tokens)
             self.metrics.inc("vllm.device_cached_tokens", known[0] if known else 0)
             self.metrics.inc("vllm.promised_tokens", max(0, num_external))
+            verdict = self._verdicts.get(req_id)
+            if verdict is not None:
+                self.metrics.inc("vllm.declined_tokens", verdict.declined)
+                self.metrics.inc("vllm.probe_loads", int(verdict.probe))
         if num_external <= 0 or known is None:
             return
         num_computed = known[0]
@@ -288,7 +345,7 @@ class SchedulerSide:
                     slots = slot_mapping(block_ids[group], self._block_size(group), load.end)
                     mine.append(RequestPlan(req_id, tracker.prompt[:load.end], slots,
                                             tracker.identity, span, None, async_load=True,
-                                            group=group))
+                                            group=group, load_budget=self._budget(req_id)))
             except ValueError as exc:
                 self._log.warning("plan", "request %s skipped: %s", req_id, exc)
                 mine = []
@@ -312,6 +369,7 @@ class SchedulerSide:
         self._unnamed.discard(req_id)
         self._trackers.pop(req_id, None)
         self._failures.pop(req_id, None)
+        self._verdicts.pop(req_id, None)
         return delay
 
     def close(self) -> None:
@@ -341,12 +399,18 @@ class SchedulerSide:
                 self._log.warning("plan", "request %s skipped: %s", req_id, exc)
                 return []
             plans.append(RequestPlan(req_id, tracker.prompt[:n], slots, tracker.identity,
-                                     group_load, group_save, group=group))
+                                     group_load, group_save, group=group,
+                                     load_budget=None if group_load is None
+                                     else self._budget(req_id)))
         if save is not None:
             tracker.stored_end = save.end
             if self.async_save and plans:
                 self._saved.add(req_id)
         return plans
+
+    def _budget(self, req_id: str) -> float | None:
+        verdict = self._verdicts.get(req_id)
+        return None if verdict is None else verdict.load_budget
 
     @property
     def _num_groups(self) -> int:

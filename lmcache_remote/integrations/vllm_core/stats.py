@@ -9,8 +9,9 @@ worker) appear on the one endpoint operators already scrape, with vLLM's labels 
 `engine`), however many ranks there are.
 
 The payload (`take()`, a plain dict, safe for vLLM's serialisation) holds what changed since the
-last step: `{"counters": {name: delta}, "latency": {name: [bucket count deltas]}}`, names in
-`COUNTERS` / `LATENCIES` (docs/metrics.md, "In vLLM's /metrics"). `prometheus_names()` gives the
+last step: `{"counters": {name: delta}, "latency": {name: [bucket count deltas]}}`, and from the
+scheduler `"gauges": {name: value}` when a figure changed; names in `COUNTERS` / `LATENCIES` /
+`GAUGES` (docs/metrics.md, "In vLLM's /metrics"). `prometheus_names()` gives the
 names they appear under.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 
 from lmcache_remote.telemetry.metrics import LATENCY_BUCKETS, Metrics, summed_counters
 
-__all__ = ["COUNTERS", "LATENCIES", "PREFIX", "StatsDelta", "aggregate", "is_empty",
+__all__ = ["COUNTERS", "GAUGES", "LATENCIES", "PREFIX", "StatsDelta", "aggregate", "is_empty",
            "prometheus_names", "reduce"]
 
 #: Prometheus name prefix (vLLM's connectors name theirs `vllm:<connector>_...`).
@@ -54,6 +55,22 @@ COUNTERS: dict[str, tuple[str, str]] = {
                               "Promised tokens a load could not deliver (recomputed)"),
     "remote_errors": ("remote.errors", "Redis calls that failed"),
     "remote_corrupt_chunks": ("remote.corrupt_chunks", "Damaged values found (deleted)"),
+    "declined_tokens": ("vllm.declined_tokens",
+                        "Prompt tokens held by the cache but computed: loading them was "
+                        "expected to take longer (the load decision)"),
+    "probe_loads": ("vllm.probe_loads", "One-chunk loads that probe a declined link"),
+    "failed_load_requests": ("vllm.failed_load_requests",
+                             "Loads that failed (vLLM recomputed), counted per request"),
+}
+#: Payload gauge -> (the scheduler's `Metrics` gauge, help text): the load decision's
+#: figures now (`engine.decision`).
+GAUGES: dict[str, tuple[str, str]] = {
+    "link_bytes_per_s": ("decision.link_bytes_per_s",
+                         "The link's throughput to Redis the load decision uses (bytes/s)"),
+    "link_rtt_seconds": ("decision.link_rtt_seconds",
+                         "The link's round trip to Redis the load decision uses (seconds)"),
+    "prefill_tokens_per_s": ("decision.prefill_tokens_per_s",
+                             "This engine's prefill speed the load decision uses (tokens/s)"),
 }
 #: Payload latency -> (the `Metrics` histogram, help text).
 LATENCIES: dict[str, tuple[str, str]] = {
@@ -68,6 +85,7 @@ class StatsDelta:
 
     def __init__(self, sources: Sequence[Metrics]) -> None:
         self._sources = list(sources)
+        self._gauges: dict[str, float] = {}
         self._lock = threading.Lock()
         self._counters: dict[str, float] = {}
         self._buckets: dict[str, list[int]] = {}
@@ -97,7 +115,16 @@ class StatsDelta:
                 delta_counts = [a - b for a, b in zip(counts, before, strict=True)]
                 if any(delta_counts):
                     out_latency[field] = delta_counts
-        return {"counters": out_counters, "latency": out_latency}
+            gauges = {name: value for metrics in self._sources
+                      for name, value in metrics.gauges().items()}
+            out_gauges = {}
+            for field, (name, _) in GAUGES.items():
+                if name in gauges and gauges[name] != self._gauges.get(name):
+                    self._gauges[name] = out_gauges[field] = gauges[name]
+        out: dict[str, Any] = {"counters": out_counters, "latency": out_latency}
+        if out_gauges:
+            out["gauges"] = out_gauges
+        return out
 
 
 def aggregate(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,11 +137,15 @@ def aggregate(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         have = latency.get(name)
         latency[name] = list(counts) if have is None else [
             x + y for x, y in zip(have, counts, strict=True)]
-    return {"counters": counters, "latency": latency}
+    out: dict[str, Any] = {"counters": counters, "latency": latency}
+    gauges = {**a.get("gauges", {}), **b.get("gauges", {})}  # the later figure wins
+    if gauges:
+        out["gauges"] = gauges
+    return out
 
 
 def is_empty(data: Mapping[str, Any]) -> bool:
-    return not data.get("counters") and not data.get("latency")
+    return not data.get("counters") and not data.get("latency") and not data.get("gauges")
 
 
 def reduce(data: Mapping[str, Any]) -> dict[str, int | float]:
@@ -127,6 +158,7 @@ def reduce(data: Mapping[str, Any]) -> dict[str, int | float]:
         out["cache_hit_rate"] = round(counters.get("promised_tokens", 0) / prompt, 4)
     for name, counts in data.get("latency", {}).items():
         out[name.replace("_seconds", "_count")] = sum(counts)
+    out.update(data.get("gauges", {}))
     return out
 
 
@@ -135,6 +167,7 @@ def prometheus_names() -> dict[str, str]:
     histograms give `_bucket`, `_sum`, `_count`)."""
     names = {field: f"{PREFIX}{field}" for field in COUNTERS}
     names.update({field: f"{PREFIX}{field}" for field in LATENCIES})
+    names.update({field: f"{PREFIX}{field}" for field in GAUGES})
     return names
 
 

@@ -21,6 +21,16 @@ Worker side (`WorkerSide`, one per rank, in the worker process):
 - `take_load_errors()`: the block ids whose planned KV did not arrive (a miss, a corrupt chunk,
   Redis down, any exception), so vLLM recomputes from the first of them. Nothing here raises
   into vLLM: a failure is logged, counted and reported as data.
+- `report()`: what the scheduler must learn from this rank, once per step (vLLM's worker
+  metadata): the requests whose load failed since the last report (a miss, a timeout, a
+  corrupt chunk: the scheduler promises such a request no hit again after
+  `MAX_LOAD_FAILURES`), whether the link to Redis is down (the engine's health gate is open:
+  the scheduler then promises nothing but probes), the link's throughput when a load measured
+  it anew, and the step's forward time with the step's tokens (`begin_step(..., step=)`,
+  `forward_timer.ForwardTimer`): the engine's prefill speed.
+- Loads run under the scheduler's verdict (`load_policy="always"` to the engine: it decided)
+  and within its `load_budget` (a deadline on the fetch): a load slower than computing is
+  abandoned, reported failed, and its time measures the link.
 - background transfers (`background.BackgroundTransfers`): asynchronous loads on a loader
   thread, reported by
   `finished_loads()` (with their missing blocks); with `async_save` the step's stores on a
@@ -30,6 +40,7 @@ Worker side (`WorkerSide`, one per rank, in the worker process):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -45,6 +56,7 @@ from lmcache_remote.integrations.vllm_core.background import (
     step_event,
     transfer_stream,
 )
+from lmcache_remote.integrations.vllm_core.forward_timer import ForwardTimer
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan, Span
 from lmcache_remote.integrations.vllm_core.proof import ProvenLayout, proven_layout
 from lmcache_remote.integrations.vllm_core.settings import (
@@ -57,6 +69,7 @@ from lmcache_remote.storage.connections import (
     ConnectionCount,
     engine_connections,
 )
+from lmcache_remote.storage.deadline import call_deadline
 from lmcache_remote.storage.lanes import background_reads
 from lmcache_remote.telemetry.metrics import RateLimitedLogger
 
@@ -90,6 +103,9 @@ class WorkerSide:
         self._async_plans: list[RequestPlan] = []
         self._background = BackgroundTransfers()
         self._errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests whose load failed, not yet reported
+        self._timer = ForwardTimer()  # the forward's time, less this side's hooks
+        self._sent_samples = 0  # link throughput samples already reported
         self._log = RateLimitedLogger(logger)
 
     @property
@@ -167,7 +183,8 @@ class WorkerSide:
         if self.engine is not None:
             self.engine.rename_model(model_name)
 
-    def begin_step(self, plans: Sequence[RequestPlan]) -> None:
+    def begin_step(self, plans: Sequence[RequestPlan],
+                   step: tuple[int, float] | None = None) -> None:
         """The step's plans, as vLLM binds them before the forward. Everything of the last
         step ends here (its loads finished, unstarted stores dropped): nothing may outlive it.
 
@@ -175,9 +192,13 @@ class WorkerSide:
         missing tokens until vLLM has rolled it back and recomputes. Its stores that start
         past the gap are dropped (with asynchronous scheduling a step planned before vLLM saw
         the failure still runs); a plan whose store starts at or before the gap was made after
-        the rollback and ends it, as does a new load (a resumed request) or its end."""
+        the rollback and ends it, as does a new load (a resumed request) or its end.
+
+        `step`: the step's computed tokens and their summed context, which the forward that
+        follows is timed against (`report`)."""
         self._finish_loads()
         self._abort_stores()
+        self._timer.begin(step)
         if self.disabled is not None or self._asleep:
             self._refuse(plans)
             plans = []
@@ -216,6 +237,10 @@ class WorkerSide:
         load anything is always one of the former, and `wait_for_layer` starts them too."""
         if self._loads_started or not self.registered:
             return
+        with self._timer.own():
+            self._start_loads()
+
+    def _start_loads(self) -> None:
         self._loads_started = True
         for plan in self._async_plans:
             self._background.submit_load(plan.req_id,
@@ -236,7 +261,9 @@ class WorkerSide:
     def finished_load_misses(self) -> dict[str, set[int]]:
         """Requests whose background load is over, each with its missing blocks (empty: all
         loaded), for a caller that reports failed requests rather than blocks."""
-        return self._background.finished_loads()
+        done = self._background.finished_loads()
+        self._failed_loads |= {req_id for req_id, missed in done.items() if missed}
+        return done
 
     @property
     def engines(self) -> list[CacheEngine]:
@@ -246,23 +273,43 @@ class WorkerSide:
         layer = self._names.get(layer_name)
         if layer is None:
             return
-        self.start_load()
-        for pending in list(self._loads):
-            self._step_load(pending, layer + 1)
+        with self._timer.own():
+            self.start_load()
+            for pending in list(self._loads):
+                self._step_load(pending, layer + 1)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._names.get(layer_name)
         if (layer is None or not self.settings.layerwise or not self.can_save
                 or self.settings.async_save):
             return
-        self._start_stores()
-        for pending in list(self._stores):
-            if self._over_gap(pending.plan):
-                self._drop_store(pending)
-            else:
-                self._step_store(pending, layer + 1)
+        with self._timer.own():
+            self._start_stores()
+            for pending in list(self._stores):
+                if self._over_gap(pending.plan):
+                    self._drop_store(pending)
+                else:
+                    self._step_store(pending, layer + 1)
+
+    def report(self) -> dict[str, object]:
+        """What the scheduler must learn from this rank this step (see the module
+        docstring): `failed_loads`, `link_down`, `throughput` (None: nothing new), `step`
+        (None: not measured). Each failure and each figure is reported once."""
+        failed, self._failed_loads = self._failed_loads, set()
+        step = self._timer.take()
+        link_down, throughput = False, None
+        if self.engine is not None:
+            storage = self.engine.storage
+            link_down = storage.remote is not None and not storage.remote.gate.healthy
+            snap = storage.link.snapshot()
+            if snap.throughput is not None and snap.throughput_samples != self._sent_samples:
+                self._sent_samples = snap.throughput_samples
+                throughput = snap.throughput
+        return {"failed_loads": failed, "link_down": link_down, "throughput": throughput,
+                "step": step}
 
     def wait_for_save(self) -> None:
+        self._timer.end()  # vLLM calls it after the forward
         self.start_load()
         self._finish_loads()
         if not self.can_save:
@@ -320,6 +367,7 @@ class WorkerSide:
             if plan.load is None or plan.load.end <= plan.load.start:
                 continue
             missed = self._missed_blocks(plan, 0)
+            self._failed_loads.add(plan.req_id)
             if plan.async_load:
                 self._background.refuse_load(plan.req_id, missed)
             else:
@@ -333,10 +381,10 @@ class WorkerSide:
         span = _span(plan.load)
         hit_end = 0
         try:  # a background load yields the read lanes to the step's loads
-            with transfer_stream(self._layers), background_reads():
+            with transfer_stream(self._layers), background_reads(), _budget(plan):
                 hit = self._engine().retrieve(plan.token_ids[: span.end], self._kv(plan, span.end),
                                               self._mask(span.skip, span.end),
-                                              identity=plan.identity)
+                                              identity=plan.identity, load_policy="always")
             hit_end = _hit_end(hit, span.skip)
         except Exception as exc:
             self._log.warning("load", "load of request %s failed: %s", plan.req_id, exc)
@@ -375,11 +423,14 @@ class WorkerSide:
         args = (plan.token_ids[: span.end], self._kv(plan, span.end), self._mask(span.skip,
                                                                                  span.end))
         if not self.settings.layerwise:
-            hit = self._engine().retrieve(*args, identity=plan.identity)
+            with _budget(plan):
+                hit = self._engine().retrieve(*args, identity=plan.identity,
+                                              load_policy="always")
             self._report_misses(plan, _hit_end(hit, span.skip))
             return
-        gen = self._engine().retrieve_layer(*args, identity=plan.identity)
-        hit_end = _hit_end(next(gen), span.skip)  # fetched now; the layers follow
+        gen = self._engine().retrieve_layer(*args, identity=plan.identity, load_policy="always")
+        with _budget(plan):
+            hit_end = _hit_end(next(gen), span.skip)  # fetched now; the layers follow
         self._report_misses(plan, hit_end)  # known already: vLLM may learn it this step
         if hit_end > span.skip:
             self._loads.append(_PendingLoad(plan, gen, self._engine().layout.num_layers))
@@ -411,6 +462,7 @@ class WorkerSide:
         request's stores past the gap wait for the rollback (`begin_step`)."""
         missed = self._missed_blocks(plan, hit_end)
         if missed:
+            self._failed_loads.add(plan.req_id)
             first = max(hit_end, _span(plan.load).start)
             self._gaps[plan.req_id] = min(first, self._gaps.get(plan.req_id, first))
             self._errors |= missed
@@ -501,6 +553,13 @@ class _PendingStore:
     gen: Generator[int | None, None, None]
     total_steps: int
     steps_done: int = 0
+
+
+def _budget(plan: RequestPlan) -> contextlib.AbstractContextManager[None]:
+    """The plan's load budget as a deadline on the fetch (none without a budget)."""
+    if plan.load_budget is None:
+        return contextlib.nullcontext()
+    return call_deadline(plan.load_budget)
 
 
 def _span(span: Span | None) -> Span:

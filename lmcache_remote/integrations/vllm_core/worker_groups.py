@@ -119,12 +119,28 @@ class GroupedWorker:
         for group, side in zip(self.groups, self.sides, strict=True):
             side.rename_model(group_namespace(model_name, group, self.groups))
 
-    def begin_step(self, plans: Sequence[RequestPlan]) -> None:
+    def begin_step(self, plans: Sequence[RequestPlan],
+                   step: tuple[int, float] | None = None) -> None:
         for plan in plans:
             if plan.async_load:
                 self._pending.setdefault(plan.req_id, set()).add(plan.group)
         for index, side in enumerate(self.sides):
-            side.begin_step([p for p in plans if p.group == index])
+            side.begin_step([p for p in plans if p.group == index], step)
+
+    def report(self) -> dict[str, object]:
+        """`WorkerSide.report` over the groups: every failed request, down if any group's
+        link is, the slowest link, and the forward time less the most any side spent in its
+        own hooks (the shortest side's figure)."""
+        reports = [side.report() for side in self.sides]
+        failed: set[str] = set()
+        for report in reports:
+            failed |= report["failed_loads"]  # type: ignore[arg-type]
+        throughputs = [r["throughput"] for r in reports if r["throughput"] is not None]
+        steps = [r["step"] for r in reports if r["step"] is not None]
+        return {"failed_loads": failed,
+                "link_down": any(r["link_down"] for r in reports),
+                "throughput": min(throughputs) if throughputs else None,  # type: ignore[type-var]
+                "step": min(steps, key=lambda s: s[2]) if steps else None}  # type: ignore
 
     def start_load(self) -> None:
         for side in self.sides:
