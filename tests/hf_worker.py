@@ -22,7 +22,8 @@ def main() -> None:
     model_dir, url, prefix, tokens_json = sys.argv[1:5]
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([json.loads(tokens_json)])
-    config = CacheConfig(remote_url=url, key_prefix=prefix, chunk_size=CHUNK, local_cpu=False)
+    config = CacheConfig(remote_url=url, key_prefix=prefix, chunk_size=CHUNK, local_cpu=False,
+                         load_policy="always")  # a hit must not hang on the machine's load
     with CachedLM.open(model, config, store=False) as lm:
         out = lm.prefill(ids)
         diff = (out.logits - full_logits(model, ids)[:, out.hit_tokens:]).abs().max().item()

@@ -35,8 +35,11 @@ def tiny_model(kind: str = "llama", seed: int = 0) -> Any:
 
 def cache_engine(model: Any, url: str | None, prefix: str, name: str = "tiny",
                  **overrides: Any) -> CacheEngine:
+    """An engine for `model` on a test server; `load_policy` `always` unless overridden (as
+    `kvutil.engine`: a hit must not depend on how loaded the machine is)."""
     cfg: dict[str, Any] = {"remote_url": url, "key_prefix": prefix, "chunk_size": CHUNK,
-                           "remote_timeout": 2.0, "max_local_cpu_size": 0.05}
+                           "remote_timeout": 2.0, "max_local_cpu_size": 0.05,
+                           "load_policy": "always"}
     cfg.update(overrides)
     return CacheEngine(CacheConfig(**cfg), engine_metadata(model, model_name=name))
 

@@ -22,8 +22,13 @@ def metadata(dtype: torch.dtype = torch.bfloat16, model: str = "test/model", wor
 
 def engine(url: str | None, prefix: str, meta: EngineMetadata | None = None,
            **overrides: Any) -> CacheEngine:
+    """An engine on a test server. `load_policy` is `always` unless overridden: these
+    engines test what is stored and read, and the load decision, which weighs measured
+    times, would make a hit depend on how loaded the machine is (its own tests:
+    tests/test_load_decision.py)."""
     cfg: dict[str, Any] = {"remote_url": url, "key_prefix": prefix, "chunk_size": 256,
-                           "remote_timeout": 1.0, "max_local_cpu_size": 0.25}
+                           "remote_timeout": 1.0, "max_local_cpu_size": 0.25,
+                           "load_policy": "always"}
     cfg.update(overrides)
     return CacheEngine(CacheConfig(**cfg), meta or metadata())
 

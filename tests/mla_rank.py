@@ -44,7 +44,7 @@ def main() -> None:
                           1, HEAD, use_mla=True)
     config = CacheConfig(remote_url=url, key_prefix=prefix, chunk_size=256, store_async=False,
                          local_cpu=(mode == "store"), save_only_first_rank=True,
-                         max_local_cpu_size=0.1)
+                         max_local_cpu_size=0.1, load_policy="always")
     src, src_slots = mla_cache(seed=3), slot_ids(n_tokens, seed=1)
     out: dict = {"rank": int(rank)}
     with CacheEngine(config, meta) as engine:

@@ -136,7 +136,7 @@ def test_two_folders_named_alike_with_other_weights_never_share(
         tiny_model("llama", seed=seed).save_pretrained(folder)
     models = [AutoModelForCausalLM.from_pretrained(f).eval() for f in folders]
     config = CacheConfig(remote_url=redis_url, key_prefix=key_prefix, chunk_size=CHUNK,
-                         local_cpu=False, store_async=False)
+                         local_cpu=False, store_async=False, load_policy="always")
     ids = prompt(3 * CHUNK + 1, seed=4)
     with CachedLM.open(models[0], config) as first:
         assert first.prefill(ids).stored_tokens == [3 * CHUNK]

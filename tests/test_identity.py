@@ -188,7 +188,8 @@ def test_the_engine_keeps_identities_apart(redis_url: str) -> None:
     under it; `cache_salt=` is `identity=RequestIdentity(cache_salt=...)`."""
     meta = EngineMetadata("ident", 1, 0, torch.float32, 2, 2, 8)
     config = CacheConfig(remote_url=redis_url, key_prefix="lmcrt-identity", chunk_size=16,
-                         local_cpu=False, store_async=False, stats_publish_interval=None)
+                         local_cpu=False, store_async=False, stats_publish_interval=None,
+                         load_policy="always")
     tokens = list(range(48))
     kv = DenseKV([torch.randn(2, 48, 8) for _ in range(2)], [torch.randn(2, 48, 8)
                                                              for _ in range(2)])

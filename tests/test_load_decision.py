@@ -209,7 +209,7 @@ def test_cached_lm_measures_its_prefill(redis_url: str, key_prefix: str) -> None
     from lmcache_remote.integrations.huggingface import CachedLM
 
     model = tiny_model()
-    with cache_engine(model, redis_url, key_prefix) as engine:
+    with cache_engine(model, redis_url, key_prefix, load_policy="pays") as engine:
         lm = CachedLM(model, engine)
         assert engine.decisions.decision.prefill.samples == 0
         lm.prefill(prompt(512, seed=7))
@@ -236,7 +236,7 @@ def test_cached_lm_declines_a_slow_link(private_redis: RedisServer, key_prefix: 
     proxy = Throttle(private_redis.port, 2e9)
     try:
         with cache_engine(model, proxy.url, key_prefix, local_cpu=False, remote_timeout=10.0,
-                          prefill_tokens_per_s=20_000) as engine:
+                          prefill_tokens_per_s=20_000, load_policy="pays") as engine:
             lm = CachedLM(model, engine)
             assert lm.prefill(ids).hit_tokens == 4096
             proxy.rate = MIB

@@ -37,9 +37,11 @@ def _kv(fill: float | None) -> DenseKV:
 
 
 def _engine(url: str, prefix: str) -> CacheEngine:
+    # `always`: these cases show the deadlines on a slow link, which the load decision
+    # would otherwise stop meeting after the first slow read (tests/test_load_decision.py)
     return CacheEngine(CacheConfig(remote_url=url, key_prefix=prefix, local_cpu=False,
                                    remote_timeout=TIMEOUT, store_async=False,
-                                   stats_publish_interval=None), META)
+                                   stats_publish_interval=None, load_policy="always"), META)
 
 
 @pytest.mark.parametrize("rate", [300 * 1024, 1_600_000, 50_000_000])

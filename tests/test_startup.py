@@ -41,7 +41,8 @@ def test_one_line_with_what_the_cache_does_and_no_secret(
     url = f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0"
     monkeypatch.setenv("LMCR_TEST_INTEGRITY", KEY)
     caplog.set_level(logging.INFO, logger="lmcache_remote")
-    settings = {"integrity_key": "env:LMCR_TEST_INTEGRITY", "remote_write_lanes": 6}
+    settings = {"integrity_key": "env:LMCR_TEST_INTEGRITY", "remote_write_lanes": 6,
+                "load_policy": "pays"}
     with engine(url, key_prefix, **settings) as e:
         kv_tokens = 256
         assert e.lookup(list(range(kv_tokens))) == 0

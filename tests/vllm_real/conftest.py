@@ -29,8 +29,12 @@ def engines(model_config: Any, redis_url: str, key_prefix: str
              kv_role: str = "kv_both", log_stats: bool = False,
              windows: dict[int, int] | None = None, hma: bool = True,
              **extra: Any) -> rig.Instance:
+        # `always` unless a case says otherwise: the rig's forward is fake, its time says
+        # nothing of a prefill, and a hit must not depend on the machine's load (the load
+        # decision's own cases: tests/test_load_decision.py, tests/vllm_cpu)
         config = {"remote_url": url, "key_prefix": key_prefix, "chunk_size": rig.CHUNK,
-                  "max_local_cpu_size": 0.05, "remote_timeout": 1.0, **extra}
+                  "max_local_cpu_size": 0.05, "remote_timeout": 1.0, "load_policy": "always",
+                  **extra}
         made.append(rig.Instance(model_config, config, layout=layout, mla=mla, tp=tp,
                                  num_blocks=num_blocks, cache_dtype=cache_dtype, policy=policy,
                                  max_batched_tokens=max_batched_tokens,
