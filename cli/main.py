@@ -9,6 +9,7 @@ from lmcache_remote_cli.evict import evict
 from lmcache_remote_cli.export import export
 from lmcache_remote_cli.inspect import inspect
 from lmcache_remote_cli.ls import ls
+from lmcache_remote_cli.pin import pin, unpin
 from lmcache_remote_cli.ping import ping
 from lmcache_remote_cli.restore import import_
 from lmcache_remote_cli.stats import stats
@@ -23,5 +24,5 @@ def cli() -> None:
     """Inspect, warm, export and evict the lmcache-remote KV cache in Redis."""
 
 
-for _command in (ping, stats, ls, inspect, evict, export, import_, warm, demo):
+for _command in (ping, stats, ls, inspect, evict, pin, unpin, export, import_, warm, demo):
     cli.add_command(_command)

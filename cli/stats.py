@@ -80,6 +80,11 @@ def _render(cx: CliContext, result: dict[str, Any]) -> RenderableType:
         f"unauthenticated {e['remote_unauthenticated_chunks']} chunks); "
         f"duplicate writes skipped {e['duplicate_writes_skipped']}",
     ]
+    pins = result.get("pins")
+    if pins is not None:
+        lines.append(f"pinned: {pins['entries']} chunks, {size(pins['bytes'])} of the "
+                     f"{size(pins['budget_bytes'])} pin budget ({pins['timed']} held by "
+                     "requests for a time)")
     return Group(t, *_pages(result.get("pages", {})), *(Text(line) for line in lines),
                  *_served(e.get("by_model", {})))
 

@@ -62,13 +62,30 @@ class CacheConfig:
     serde: str = "raw"
     """Codec of values in Redis: `raw`, `lz4`, `lz4-planes` (byte planes, then lz4) or
     `zstd-planes` (byte planes, then zstd)."""
-    remote_ttl: float | None = None
-    """Expiry of values in Redis, in seconds; None = no expiry (rely on maxmemory-policy)."""
+    remote_ttl: float | None = 30 * 24 * 3600.0
+    """Expiry of values in Redis, in seconds (default 30 days). Beside bounding a value's life
+    it lets a `volatile-lru` Redis evict it, and so pins work: under `volatile-*` a pinned
+    chunk (no expiry) is never evicted (docs/pins.md). None = no expiry: then only an
+    `allkeys-*` policy evicts, and pins cannot be honoured."""
     remote_lru_touch: bool = True
     """TOUCH in Redis the chunks a lookup promised or the local tier served (`storage.toucher`),
     which Redis never sees read: without it `allkeys-lru` evicts the most used prefixes first.
     False: no TOUCH is sent and no toucher thread starts (for a user without `+touch`, or to
     measure what the refresh is worth: `python -m soak --no-lru-touch`)."""
+    store_after: int = 1
+    """Admission: a chunk is written to Redis (and kept in the local tier) once the fleet has
+    tried to store it this many times, counted in Redis beside the chunk (docs/pins.md). 1:
+    every chunk is written at its first store; 2: a prompt seen once costs no write."""
+    store_after_window: float = 24 * 3600.0
+    """Seconds an admission count lives in Redis after its first try: a chunk tried fewer than
+    `store_after` times within it starts again from zero."""
+    pin_budget: float = 1.0
+    """GiB of chunks the fleet may pin (operators' pins and requests' retention together,
+    counted in Redis); a pin past it is refused with a clear error."""
+    max_retain_seconds: float = 24 * 3600.0
+    """The longest a request may keep its prefix pinned through vLLM's `kv_transfer_params`:
+    `lmcr_retain_seconds` is cut to it, and `lmcr_pin: true` asks for exactly it. Operators'
+    pins (`lmcache-remote pin`) have no end."""
     save_unfull_chunk: bool = False
     """Also store the last, partial chunk of a request."""
     store_async: bool = True
@@ -167,6 +184,10 @@ class CacheConfig:
     def store_queue_bytes(self) -> int:
         return int(self.store_queue_size * GIB)
 
+    @property
+    def pin_budget_bytes(self) -> int:
+        return int(self.pin_budget * GIB)
+
 
 def _positive(cfg: CacheConfig, name: str) -> None:
     value = getattr(cfg, name)
@@ -179,6 +200,10 @@ def _validate(cfg: CacheConfig) -> None:
                  "unhealthy_backoff", "store_queue_size", "remote_part_size"):
         _positive(cfg, name)
     _positive(cfg, "stats_publish_interval")
+    for name in ("store_after_window", "pin_budget", "max_retain_seconds"):
+        _positive(cfg, name)
+    if cfg.store_after < 1:
+        raise ConfigError("store_after", f"must be 1 or more, got {cfg.store_after}")
     for name in ("link_gbps", "link_rtt_ms", "prefill_tokens_per_s", "load_probe_interval"):
         _positive(cfg, name)
     if cfg.load_policy not in LOAD_POLICIES:

@@ -102,9 +102,10 @@ def test_stats_human_output_is_a_table(redis_url: str, key_prefix: str) -> None:
 
 def test_ls_lists_entries_with_filters_and_limit(redis_url: str, key_prefix: str) -> None:
     fill(redis_url, key_prefix, "org/model-a", n=800, remote_ttl=600)
-    fill(redis_url, key_prefix, "org/model-b", n=600, seed=2)
+    fill(redis_url, key_prefix, "org/model-b", n=600, seed=2, remote_ttl=None)  # no expiry
     out = run_json("ls", "--url", redis_url, "--prefix", key_prefix, "--limit", "0")
     assert out["count"] == 5
+    assert not any(r["pinned"] for r in out["entries"])
     a_rows = [r for r in out["entries"] if r["model_name"] == "org/model-a"]
     assert len(a_rows) == 3
     assert all(r["num_tokens"] == 256 and r["dtype"] == "bfloat16" for r in out["entries"])

@@ -84,7 +84,7 @@ def test_service_is_a_bounded_cache(
     argv = _argv(service)
     assert argv[0] == binary
     assert _option(argv, "--maxmemory") == "4gb"
-    assert _option(argv, "--maxmemory-policy") == "allkeys-lru"
+    assert _option(argv, "--maxmemory-policy") == "volatile-lru"  # pins hold (docs/pins.md)
     assert _option(argv, "--save") == ""
     assert _option(argv, "--appendonly") == "no"
 
@@ -119,7 +119,7 @@ SENTINELS = ["sentinel-1", "sentinel-2", "sentinel-3"]
 
 
 def _assert_bounded_cache(argv: list[str]) -> None:
-    assert _option(argv, "--maxmemory-policy") == "allkeys-lru"
+    assert _option(argv, "--maxmemory-policy") == "volatile-lru"  # pins hold (docs/pins.md)
     assert _option(argv, "--maxmemory") == "4gb"
     assert _option(argv, "--save") == ""
     assert _option(argv, "--appendonly") == "no"

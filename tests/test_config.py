@@ -23,7 +23,9 @@ def test_defaults_match_design() -> None:
     assert cfg.local_cpu is True
     assert cfg.max_local_cpu_size == 5.0
     assert cfg.serde == "raw"  # chosen by DESIGN.md's codec-default rule (docs/benchmarks.md)
-    assert cfg.remote_ttl is None
+    assert cfg.remote_ttl == 30 * 24 * 3600  # volatile-lru can evict it; pins need that
+    assert (cfg.store_after, cfg.store_after_window) == (1, 24 * 3600)  # every chunk stored
+    assert (cfg.pin_budget, cfg.max_retain_seconds) == (1.0, 24 * 3600)
     assert cfg.save_unfull_chunk is False
     assert cfg.store_async is True
     assert cfg.remote_timeout == 2.0

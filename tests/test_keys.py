@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_remote import CacheEngineKey, KeyFormatError
-from lmcache_remote.naming.keys import scan_pattern, split_part_key
+from lmcache_remote.naming.keys import pins_key, scan_pattern, split_part_key
 
 H = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 
@@ -17,6 +18,17 @@ def test_redis_key_layout() -> None:
     assert key.redis_key("lmcr") == f"lmcr:v1:meta-llama/Llama-3.1-8B:1:0:bfloat16:{{{H}}}"
     head = key.redis_key("lmcr")
     assert key.part_keys("lmcr", 3) == [head, head + "#1", head + "#2"]
+
+
+def test_admission_count_and_pin_registry_keys_as_the_schema_gives_them() -> None:
+    key = CacheEngineKey("meta-llama/Llama-3.1-8B", 1, 0, "bfloat16",
+                         "0f1e2d3c4b5a69788796a5b4c3d2e1f0")
+    assert key.store_count_key("lmcr") == (
+        "lmcr:n1:meta-llama/Llama-3.1-8B:1:0:bfloat16:{0f1e2d3c4b5a69788796a5b4c3d2e1f0}")
+    assert pins_key("lmcr") == "lmcr:pins1"
+    # neither is ever taken for a chunk by the listing, export or eviction
+    assert not fnmatch.fnmatchcase(key.store_count_key("lmcr"), scan_pattern("lmcr"))
+    assert not fnmatch.fnmatchcase(pins_key("lmcr"), scan_pattern("lmcr"))
 
 
 def test_hostile_model_names_cannot_split_or_move_the_tag() -> None:

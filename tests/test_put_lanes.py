@@ -98,8 +98,9 @@ def test_a_broken_connection_fails_its_window_alone_and_leaves_no_half_chunk(
 ) -> None:
     """The stub: the connection carrying the third window waits until the three other windows
     (on their own connections) are answered, then sends its first chunk whole, half of the
-    second chunk's MSET, and is shut down (on every attempt, so the caller's retry fails too).
-    Redis drops the half command."""
+    second chunk's MSET (inside its MULTI: the default `remote_ttl` writes a transaction), and
+    is shut down (on every attempt, so the caller's retry fails too). Redis drops the half
+    command and the open transaction."""
     writer = make_tier(redis_url, key_prefix, pool)
     reader = make_tier(redis_url, key_prefix, pool)
     tiers += [writer, reader]
@@ -120,12 +121,15 @@ def test_a_broken_connection_fails_its_window_alone_and_leaves_no_half_chunk(
         return n
 
     def send(sock: socket.socket, commands: Sequence[Sequence[Any]]) -> None:
-        if command_key(commands[0]) != target:
+        writes = [i for i, c in enumerate(commands) if c[0] in ("MSET", "SET", "EVAL")]
+        if command_key(commands[writes[0]]) != target:
             honest_send(sock, commands)
             return
         assert others_done.wait(60)
-        honest_send(sock, commands[:1])
-        second = b"".join(bytes(p) for p in pack(commands[1]))
+        # the first chunk whole (with `remote_ttl`: its MULTI ... EXEC), then the second's
+        # MULTI if it has one, then half of its MSET
+        honest_send(sock, commands[:writes[1]])
+        second = b"".join(bytes(p) for p in pack(commands[writes[1]]))
         sock.sendall(second[: len(second) // 2])
         sock.shutdown(socket.SHUT_WR)
         cut.set()
@@ -152,6 +156,8 @@ def test_a_broken_connection_fails_its_window_alone_and_leaves_no_half_chunk(
         assert len(got) == 1 and torch.equal(got[0].tensor, objs[i].tensor)
         got[0].release()
     assert reader.metrics.get("remote.corrupt_chunks") == 0
+    # every value that landed carries the expiry (the transaction writes both or neither)
+    assert all(redis_client.pttl(k) > 0 for i in landed for k in writer._keys(specs[i]))
 
 
 class _RecordingBudget(ByteBudget):

@@ -721,8 +721,30 @@ def test_every_reply_kind_byte_by_byte_reads_the_same(native: bool) -> None:
     assert bytes(got[6]) == b"" and bytes(got[7]) == b"\r\n\r"
 
 
-@pytest.mark.parametrize("reply", [b"*1\r\n$1\r\na\r\n", b"$3\r\nabcXY", b"$x\r\n",
-                                   b":12a\r\n", b"$5\r\nab"])
+def test_an_array_reply_is_its_length_or_its_first_error_byte_by_byte(native: bool) -> None:
+    """EXEC's and scripts' array replies: the batch keeps an array's length, or the first
+    error element inside it (nested arrays and bulk strings skipped whole), and the replies
+    after it stay in step; with either reader, the bytes arriving one at a time."""
+    commands, packed = _gets(5)
+    replies = [b"*3\r\n+OK\r\n:1\r\n:1\r\n",
+               b"*3\r\n+OK\r\n-ERR inside the transaction\r\n-ERR second\r\n",
+               b"*2\r\n*2\r\n$5\r\nhello\r\n$-1\r\n:7\r\n",
+               b"*-1\r\n", b":9\r\n"]
+    wire = b"".join(replies)
+
+    def script(sock: socket.socket) -> None:
+        _read_commands(sock, packed, bytearray(), len(packed))
+        for i in range(len(wire)):
+            sock.sendall(wire[i:i + 1])
+
+    got = _scripted(native, script, commands)
+    assert got[0] == 3
+    assert isinstance(got[1], redis.ResponseError) and "inside the transaction" in str(got[1])
+    assert got[2] == 2 and got[3] is None and got[4] == 9
+
+
+@pytest.mark.parametrize("reply", [b"*1\r\n$1\r\na", b"*1\r\n%1\r\n", b"$3\r\nabcXY",
+                                   b"$x\r\n", b":12a\r\n", b"$5\r\nab"])
 def test_a_reply_not_understood_or_cut_off_is_a_connection_error(native: bool, reply: bytes
                                                                    ) -> None:
     commands, packed = _gets(1)

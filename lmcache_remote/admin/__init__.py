@@ -9,7 +9,10 @@ timeouts, no retries, TLS options) and offers:
 - `entries(filter, limit)` -> `Entry` per chunk, streamed; `inspect(key)` -> one decoded entry;
 - `plan_eviction(filter)` / `evict(filter)` -> `EvictResult(matched, deleted, bytes)`;
   `plan_page_eviction(model)` / `evict_pages(model)` the same for the SGLang backend's pages;
-- `export(path, filter)`, `verify(path)`, `import_(path, skip_existing=...)`: snapshot files.
+- `export(path, filter)`, `verify(path)`, `import_(path, skip_existing=...)`: snapshot files;
+- `pin(filter)` / `unpin(filter)` -> `PinResult(matched, bytes, pinned_bytes)`, `pins()` ->
+  every pin by chunk key (`storage.pins`: Redis never evicts a pinned chunk under a
+  `volatile-*` policy; a pin past `pin_budget` raises `PinRefused`, nothing pinned).
 
 It touches keys under `config.key_prefix` only and lists keys with SCAN through
 `storage.scan.scan_batches` (every primary of a cluster). Every redis-py exception leaves as a
@@ -59,6 +62,7 @@ from lmcache_remote.errors import (
 from lmcache_remote.naming.keys import CacheEngineKey, PageKey, split_page_part_key, split_part_key
 from lmcache_remote.storage.access import check_access
 from lmcache_remote.storage.client import make_client, translate
+from lmcache_remote.storage.pins import Pin, PinRefused, Pins, PinTarget
 from lmcache_remote.values.serde import Serde, dtype_name
 
 __all__ = [
@@ -67,6 +71,9 @@ __all__ = [
     "EntryFilter",
     "EvictResult",
     "GroupStats",
+    "Pin",
+    "PinRefused",
+    "PinResult",
     "ServerInfo",
     "SnapshotError",
     "SnapshotInfo",
@@ -77,6 +84,16 @@ __all__ = [
 ]
 
 Progress = Callable[[int], None] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PinResult:
+    """What a pin or unpin did: the chunks it matched, the bytes it pinned anew (unpin: the
+    bytes it unpinned), and the fleet's pinned bytes after it."""
+
+    matched: int
+    bytes: int
+    pinned_bytes: int
 
 
 class EntryNotFoundError(LmcrError):
@@ -98,6 +115,7 @@ class CacheAdmin:
         self.config = config
         self.prefix = config.key_prefix
         self._client = client
+        self._pins: Pins | None = None
 
     @property
     def url(self) -> str:
@@ -144,6 +162,8 @@ class CacheAdmin:
             pages = page_stats(self.client, self.prefix, progress) if flt is None else []
             mem = memory_info(self.client)
             engines = fleet_stats(self.client, self.prefix)
+            pins = self.pin_registry.entries()
+            pinned_bytes = self.pin_registry.pinned_bytes()
         return {
             "prefix": self.prefix,
             "entries": sum(g.entries for g in groups),
@@ -154,6 +174,9 @@ class CacheAdmin:
                       "groups": [vars(g) for g in pages]},
             "redis": mem,
             "engines": engines,
+            "pins": {"entries": len(pins), "bytes": pinned_bytes,
+                     "budget_bytes": self.config.pin_budget_bytes,
+                     "timed": sum(1 for p in pins.values() if p.until is not None)},
         }
 
     def entries(self, flt: EntryFilter | None = None, limit: int | None = None) -> Iterator[Entry]:
@@ -266,6 +289,52 @@ class CacheAdmin:
         with _translated(self.url):
             return evict_pages(self.client, self.prefix, model_name, progress)
 
+    # -- pins ---------------------------------------------------------------------------------
+
+    @property
+    def pin_registry(self) -> Pins:
+        """The fleet's pin registry under the prefix (`storage.pins.Pins`)."""
+        if self._pins is None:
+            ttl = self.config.remote_ttl
+            self._pins = Pins(lambda: self.client, self.prefix, self.config.pin_budget_bytes,
+                              None if ttl is None else int(ttl * 1000))
+        return self._pins
+
+    def pins(self) -> dict[str, Pin]:
+        """Every pin, by chunk key; pins whose time has passed are ended first."""
+        with _translated(self.url):
+            self.pin_registry.sweep()
+            return self.pin_registry.entries()
+
+    def pin(self, flt: EntryFilter, until: float | None = None) -> PinResult:
+        """Pin the matching chunks (for ever, or until the wall-clock time `until`): Redis
+        never evicts them while pinned. All or nothing: `PinRefused` when the chunks not yet
+        pinned would take the pinned bytes past `pin_budget`."""
+        with _translated(self.url):
+            self.pin_registry.sweep()
+            targets = [PinTarget(e.redis_key, e.part_count, e.nbytes)
+                       for e in iter_entries(self.client, self.prefix, flt)]
+            added = self.pin_registry.pin(targets, until)
+            return PinResult(len(targets), added, self.pin_registry.pinned_bytes())
+
+    def unpin(self, flt: EntryFilter | None = None) -> PinResult:
+        """Unpin the pinned chunks that match (every pin with an empty filter): their values
+        get `remote_ttl` again, and Redis may evict them."""
+        flt = flt or EntryFilter()
+        with _translated(self.url):
+            pinned = self.pin_registry.entries()
+            keys = [k for k, p in pinned.items()
+                    if flt.matches_key(split_part_key(self.prefix, k)[0])]
+            if flt.needs_idle and keys:
+                idle = {e.redis_key for e in load_entries(
+                    self.client, self.prefix,
+                    [(k.encode(), split_part_key(self.prefix, k)[0]) for k in keys])
+                    if flt.matches_idle(e.idle_seconds)}
+                keys = [k for k in keys if k in idle]
+            removed = self.pin_registry.unpin(keys)
+            return PinResult(len(removed), sum(t.nbytes for t in removed),
+                             self.pin_registry.pinned_bytes())
+
     # -- snapshots ----------------------------------------------------------------------------
 
     def export(self, path: str, flt: EntryFilter | None = None,
@@ -284,12 +353,22 @@ class CacheAdmin:
         return verify_snapshot(path, self.prefix, progress)
 
     def import_(self, path: str, *, skip_existing: bool = False, verify: bool = True,
-                progress: Progress = None) -> TransferResult:
+                progress: Progress = None, pin: bool = False) -> TransferResult:
+        """Import a snapshot (chunks it holds without an expiry get `remote_ttl`); with `pin`,
+        then pin every chunk of it, imported or already there (`PinRefused` past the
+        budget: the chunks stay imported, unpinned)."""
+        ttl = self.config.remote_ttl
+        handled: list[tuple[str, int, int]] | None = [] if pin else None
         with _translated(self.url):
             self.client.ping()  # fail before reading a large file when Redis is not there
-            return import_snapshot(self.client, self.prefix, path, skip_existing=skip_existing,
-                                   verify=verify, progress=progress)
-
+            result = import_snapshot(self.client, self.prefix, path,
+                                     skip_existing=skip_existing, verify=verify,
+                                     progress=progress,
+                                     default_ttl_ms=None if ttl is None else int(ttl * 1000),
+                                     handled=handled)
+            if handled:
+                self.pin_registry.pin([PinTarget(k, n, b) for k, n, b in handled])
+            return result
 
 def describe(entry: Entry, values: list[bytes | None] | None = None) -> dict[str, Any]:
     """A JSON-ready view of an entry; `values` (all of them) adds the checksum verdict."""

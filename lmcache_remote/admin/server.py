@@ -4,6 +4,10 @@
 (`allkeys-lru`, `allkeys-lfu`, ...). `noeviction` makes Redis refuse writes instead, so every
 store becomes a dropped write; `volatile-*` evicts only keys with a TTL, which is the same as
 `noeviction` for a cache without `remote_ttl`. `server_info` returns those findings as warnings.
+
+Pins (`storage.pins`) hold only where Redis evicts keys with an expiry alone (`volatile-lru`,
+`volatile-lfu`, `volatile-random`, `volatile-ttl`), or evicts nothing: under an `allkeys-*`
+policy a pinned chunk is evicted like any other. `pin_warnings` says so.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class ServerInfo:
     warnings: tuple[str, ...]
     access: str = "ok"
     """`ok`, or why this user may not use the cache (the commands Redis refused)."""
+    pin_warnings: tuple[str, ...] = ()
+    """Why the server's settings cannot honour pins, if they cannot."""
 
 
 def eviction_warnings(policy: str | None, maxmemory: int, ttl: float | None) -> list[str]:
@@ -45,11 +51,22 @@ def eviction_warnings(policy: str | None, maxmemory: int, ttl: float | None) -> 
     elif policy and policy.startswith("volatile-") and ttl is None:
         out.append(
             f"maxmemory-policy is {policy}: only keys with a TTL are evicted and remote_ttl is "
-            "not set, so a full Redis refuses writes; use allkeys-lru or set remote_ttl"
+            "not set, so a full Redis refuses writes; set remote_ttl (the default is 30 days)"
         )
     if maxmemory == 0 and policy != "noeviction":
         out.append("maxmemory is 0 (no limit): Redis grows until the machine runs out of memory")
     return out
+
+
+def pin_warnings(policy: str | None, maxmemory: int, ttl: float | None) -> list[str]:
+    """Plain-language reasons the server cannot honour pins (none where it can)."""
+    if policy and policy.startswith("allkeys-") and maxmemory:
+        return [f"maxmemory-policy is {policy}: Redis evicts any key when full, pinned chunks "
+                "too; pins need volatile-lru (or volatile-lfu), see docs/pins.md"]
+    if policy and policy.startswith("volatile-") and ttl is None:
+        return ["remote_ttl is not set: chunks are written without an expiry, so pinned and "
+                "unpinned chunks look the same to Redis; set remote_ttl"]
+    return []
 
 
 def server_info(client: Any, remote_ttl: float | None = None) -> ServerInfo:
@@ -73,4 +90,5 @@ def server_info(client: Any, remote_ttl: float | None = None) -> ServerInfo:
         maxmemory=maxmemory,
         maxmemory_policy=policy,
         warnings=tuple(eviction_warnings(policy, maxmemory, remote_ttl)),
+        pin_warnings=tuple(pin_warnings(policy, maxmemory, remote_ttl)),
     )

@@ -149,10 +149,14 @@ def _chunk_key(reader: SnapshotReader, prefix: str, record: SnapshotRecord) -> s
 
 def import_snapshot(client: Any, prefix: str, path: str | os.PathLike[str], *,
                     skip_existing: bool = False, verify: bool = True,
-                    progress: Progress = None) -> TransferResult:
+                    progress: Progress = None, default_ttl_ms: int | None = None,
+                    handled: list[tuple[str, int, int]] | None = None) -> TransferResult:
     """Import every chunk of the file under `prefix`; nothing at all if the file is damaged.
 
-    `progress` is called with the bytes of each chunk handled (imported or skipped).
+    `progress` is called with the bytes of each chunk handled (imported or skipped). A chunk
+    the file holds without an expiry gets `default_ttl_ms` (the importer's `remote_ttl`: under
+    a `volatile-*` policy a value without one would never be evicted). `handled` receives
+    (value-0 key, values, bytes) of every chunk imported or skipped (`warm --pin`).
     """
     if verify:
         verify_snapshot(path, prefix)
@@ -160,8 +164,10 @@ def import_snapshot(client: Any, prefix: str, path: str | os.PathLike[str], *,
     with SnapshotReader(path) as reader:
         for window in iter_windows(_keyed(reader, prefix), lambda kr: kr[1].nbytes,
                                    WINDOW_BYTES):
-            done, left = _write_window(client, window, skip_existing, progress)
+            done, left = _write_window(client, window, skip_existing, progress, default_ttl_ms)
             chunks, nbytes, skipped = chunks + done[0], nbytes + done[1], skipped + left
+            if handled is not None:
+                handled.extend((keys[0], len(keys), r.nbytes) for keys, r in window)
     return TransferResult(chunks, nbytes, skipped)
 
 
@@ -174,7 +180,8 @@ def _keyed(reader: SnapshotReader, prefix: str
 
 
 def _write_window(client: Any, window: list[tuple[list[str], SnapshotRecord]],
-                  skip_existing: bool, progress: Progress) -> tuple[tuple[int, int], int]:
+                  skip_existing: bool, progress: Progress, default_ttl_ms: int | None = None
+                  ) -> tuple[tuple[int, int], int]:
     todo = window
     if skip_existing:
         pipe = client.pipeline(transaction=False)
@@ -184,7 +191,9 @@ def _write_window(client: Any, window: list[tuple[list[str], SnapshotRecord]],
         todo = [w for w, n in zip(window, present, strict=True) if int(n) != len(w[0])]
     pipe = client.pipeline(transaction=False)
     for keys, record in todo:
-        pipe.execute_command(*chunk_write_command(keys, record.values, _chunk_px(record.ttls_ms)))
+        px = _chunk_px(record.ttls_ms)
+        pipe.execute_command(*chunk_write_command(keys, record.values,
+                                                  default_ttl_ms if px is None else px))
     if todo:
         pipe.execute()
     if progress is not None:

@@ -29,6 +29,12 @@ Who calls what, and what each call promises:
   request whose KV depends on more than its tokens (a LoRA adapter, multimodal items, prompt
   embeddings; its salt too) is named by it (docs/key-schema.md). `cache_salt=` alone is
   `identity=RequestIdentity(cache_salt=...)`.
+- `pin(tokens, *, seconds=None)`: pin the full chunks of `tokens` in Redis (for ever, or for
+  `seconds`), within the fleet's `pin_budget`, once the writes queued before have landed:
+  Redis never evicts them under a `volatile-*` policy (docs/pins.md). `store(...,
+  retain=seconds)` (and `store_layer`) pins the request's prefix that way after its store,
+  for at most `max_retain_seconds` (a request's ask, bounded by the operator). A
+  pin the budget refuses is counted (`pins.refused_chunks`) and logged, never raised.
 - `flush()`: wait (bounded) until queued Redis writes landed or were dropped.
 - `freeze(True)`: no stores (each `store` returns 0) while reads go on; `freeze(False)` ends it.
 - `stats()`: counters and gauges as plain dicts.
@@ -58,9 +64,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Any
 
@@ -182,7 +189,7 @@ class CacheEngine:
 
     def store(
         self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
-        identity: RequestIdentity | None = None,
+        identity: RequestIdentity | None = None, retain: float | None = None,
     ) -> int:
         start = time.perf_counter()
         specs = self.token_db.chunks(tokens, mask, resolve(cache_salt, identity), for_store=True)
@@ -193,6 +200,7 @@ class CacheEngine:
             return 0
         self._check_view(kv)
         accepted = self._store_specs(specs, kv)
+        self._retain(tokens, resolve(cache_salt, identity), specs, retain)
         self.metrics.inc("engine.store_tokens", specs[-1].end - specs[0].start)
         self.metrics.inc("engine.stored_tokens", accepted)
         self.metrics.observe("engine.store_seconds", time.perf_counter() - start)
@@ -229,7 +237,7 @@ class CacheEngine:
 
     def store_layer(
         self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
-        identity: RequestIdentity | None = None,
+        identity: RequestIdentity | None = None, retain: float | None = None,
     ) -> Generator[int | None, None, None]:
         """`store`, one layer per step: a generator the caller advances with `next()`.
 
@@ -256,7 +264,9 @@ class CacheEngine:
         if self._skips_store(specs):
             return self._idle_layers(0)
         self._check_view(kv)
-        return self._store_layers(specs, kv, start)
+        return self._store_layers(specs, kv, start,
+                                  lambda: self._retain(tokens, resolve(cache_salt, identity),
+                                                       specs, retain))
 
     def retrieve_layer(
         self, tokens: Any, kv: KVView, mask: Any = None, *, cache_salt: str | None = None,
@@ -287,6 +297,17 @@ class CacheEngine:
             self._check_view(kv)
         wanted = self.decisions.cut(specs, load_policy, remember=False)
         return self._retrieve_layers(len(arr), specs, wanted, kv, start)
+
+    def pin(self, tokens: Any, *, cache_salt: str | None = None,
+            identity: RequestIdentity | None = None, seconds: float | None = None) -> None:
+        """Pin the full chunks of `tokens` in Redis for `seconds` (None: until unpinned), after
+        the writes queued before (see the module doc). Nothing on a rank that stores nothing
+        (MLA's other ranks) or without a remote tier."""
+        specs = self.token_db.chunks(tokens, None, resolve(cache_salt, identity), for_store=True)
+        if not specs or not self._stores_here:
+            return
+        until = None if seconds is None or math.isinf(seconds) else time.time() + seconds
+        self.storage.retain(specs, until)
 
     def record_prefill(self, num_tokens: int, seconds: float, start: int = 0) -> None:
         """This engine computed tokens `[start, start + num_tokens)` of a prompt (their
@@ -404,7 +425,7 @@ class CacheEngine:
             batch.release()
 
     def _store_layers(
-        self, specs: list[ChunkSpec], kv: KVView, start: float
+        self, specs: list[ChunkSpec], kv: KVView, start: float, then: Callable[[], None]
     ) -> Generator[int | None, None, None]:
         batch = self._prepare_store(specs)
         try:
@@ -416,10 +437,19 @@ class CacheEngine:
             accepted = self._publish(specs, batch)
         finally:
             batch.release()
+        then()
         self.metrics.inc("engine.store_tokens", specs[-1].end - specs[0].start)
         self.metrics.inc("engine.stored_tokens", accepted)
         self.metrics.observe("engine.store_seconds", time.perf_counter() - start)
         yield accepted
+
+    def _retain(self, tokens: Any, identity: RequestIdentity | None,
+                specs: list[ChunkSpec], retain: float | None) -> None:
+        """With `retain` (seconds, at most `max_retain_seconds`), pin the request's prefix in
+        Redis: every full chunk up to the end of this store, the ones stored before included."""
+        if retain and specs:
+            self.pin(tokens_to_array(tokens)[:specs[-1].end], identity=identity,
+                     seconds=min(retain, self.config.max_retain_seconds))
 
     def _idle_layers(self, result: int) -> Generator[int | None, None, None]:
         for _ in range(self.layout.num_layers):

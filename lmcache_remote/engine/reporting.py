@@ -105,7 +105,8 @@ class EngineReporter:
         if storage.remote is not None and config.stats_publish_interval is not None:
             key = engine_stats_key(config.key_prefix, self.engine_id)
             self._publisher = StatsPublisher(
-                storage.remote, key, config.stats_publish_interval, self.published_fields, metrics
+                storage.remote, key, config.stats_publish_interval, self.published_fields, metrics,
+                chore=storage.sweep_pins,
             )
         if config.metrics_port is not None:
             from lmcache_remote.telemetry import prometheus

@@ -56,6 +56,8 @@ class WarmResult:
     computed_tokens: int = 0
     loaded_tokens: int = 0
     flushed: bool = True
+    pinned_chunks: int = 0
+    refused_pin_chunks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -109,10 +111,12 @@ def warm_from_model(
     device: str | None = None,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[int], None] | None = None,
+    pin: bool = False,
 ) -> WarmResult:
     """Store the KV of every prompt of `prompts_path` as computed by the model in
     `model_path`; `on_start(total)` is called once the prompts are read, `progress(1)` after
-    each prompt."""
+    each prompt. With `pin`, every prompt's chunks (warmed or already there) are then pinned
+    (`CacheEngine.pin`; `pinned_chunks` and `refused_pin_chunks` count them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def tokenizer() -> Any:
@@ -132,9 +136,13 @@ def warm_from_model(
         lm = CachedLM(model, engine)
         for ids in prompts:
             _warm_one(lm, torch.tensor(ids), result, extra)
+            if pin:
+                engine.pin(ids)
             if progress is not None:
                 progress(1)
         result.flushed = engine.flush()
+        result.pinned_chunks = int(engine.metrics.get("pins.pinned_chunks"))
+        result.refused_pin_chunks = int(engine.metrics.get("pins.refused_chunks"))
     return result
 
 

@@ -24,6 +24,10 @@ from typing import TypeVar
 from lmcache_remote.errors import KeyFormatError
 
 KEY_VERSION = "v1"
+#: The segment of admission counts (`CacheEngineKey.store_count_key`).
+COUNT_KEY_VERSION = "n1"
+#: The segment of the pin registry (`pins_key`).
+PINS_SEGMENT = "pins1"
 _K = TypeVar("_K")
 PART_SEP = "#"
 _HASH_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -121,6 +125,15 @@ class CacheEngineKey:
         """The keys of a chunk kept as `count` values: the chunk key, then `#1`, `#2`, ..."""
         base = self.redis_key(prefix)
         return [base] + [f"{base}{PART_SEP}{i}" for i in range(1, count)]
+
+    def store_count_key(self, prefix: str) -> str:
+        """The chunk's admission count (`store_after`): how many times the fleet tried to
+        store it, `{prefix}:n1:` and the chunk key's other fields, in the same hash tag (same
+        Cluster slot as its values). It never matches `scan_pattern`."""
+        return (
+            f"{prefix}:{COUNT_KEY_VERSION}:{escape_model_name(self.model_name)}:"
+            f"{self.world_size}:{self.worker_id}:{self.dtype}:{{{self.chunk_hash}}}"
+        )
 
     @classmethod
     def from_redis_key(cls, prefix: str, key: str | bytes) -> CacheEngineKey:
@@ -232,6 +245,17 @@ def relative_key(prefix: str, key: str | bytes) -> str:
 def absolute_key(prefix: str, relative: str) -> str:
     """The inverse of `relative_key`: the key of `relative` under `prefix`."""
     return f"{prefix}:{relative}"
+
+
+def pins_key(prefix: str) -> str:
+    """The pin registry, a hash: `{prefix}:pins1` (docs/key-schema.md, "Pins"). It never
+    matches `scan_pattern`."""
+    return f"{prefix}:{PINS_SEGMENT}"
+
+
+def store_count_pattern(prefix: str) -> str:
+    """A SCAN MATCH pattern for every admission count under `prefix`."""
+    return f"{_glob_escape(prefix)}:{COUNT_KEY_VERSION}:*"
 
 
 PROBE_SEGMENT = "probe"

@@ -7,7 +7,9 @@
  * else keeps it in C memory (record_t); record_object makes its Python object at the end,
  * with the GIL.
  * Both ways: a bulk reply longer than the batch accepts is refused unread (refuse_bulk), an
- * error reply (-ERR ...) becomes make_error(text), a reply of no kind known is ValueError;
+ * error reply (-ERR ...) becomes make_error(text), an array reply (EXEC's, a script's) its
+ * length or make_error(its first error element's text) (skim_array), a reply of no kind known
+ * is ValueError;
  * semantics are those of RespReader (lmcache_remote/storage/resp.py).
  */
 #include "_wire_resp.h"
@@ -36,6 +38,84 @@ static void unexpected_reply(const char *line, Py_ssize_t len) {
         PyErr_Format(PyExc_ValueError, "protocol error: unexpected reply %R", shown);
         Py_DECREF(shown);
     }
+}
+
+/* Reads the `n` elements of an array reply (nested arrays too) and keeps only what the
+ * batch needs of it: nothing of its values, the text of its first error element (a
+ * PyMem_RawMalloc'd copy in *err, NUL-terminated, or NULL). Runs with or without the GIL.
+ * Returns 0, or -1 with the GIL and an error set. */
+static int skim_array(reader_t *r, long long n, char **err, Py_ssize_t *errlen, int depth) {
+    if (depth > 8) {
+        return fail(r, PyExc_ValueError, "protocol error: arrays nested too deep");
+    }
+    for (long long k = 0; k < n; k++) {
+        const char *line;
+        Py_ssize_t len;
+        long long value;
+        if (read_line(r, &line, &len) < 0) {
+            return -1;
+        }
+        if (len < 1) {
+            return fail(r, PyExc_ValueError, "protocol error: empty reply line");
+        }
+        switch (line[0]) {
+        case '$':
+            if (parse_int(line + 1, len - 1, &value) < 0) {
+                return fail(r, PyExc_ValueError, "protocol error: bad bulk length");
+            }
+            if (value > r->max_bulk) {
+                return refuse_bulk(r, value);
+            }
+            if (value > 0) {
+                void *scratch = PyMem_RawMalloc((size_t)value);
+                if (scratch == NULL) {
+                    gil_take(r);
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                Py_buffer into;
+                memset(&into, 0, sizeof(into));
+                into.buf = scratch;
+                into.len = (Py_ssize_t)value;
+                int rc = read_payload(r, &into, 1);
+                PyMem_RawFree(scratch);
+                if (rc < 0) {
+                    return -1;
+                }
+            }
+            break;
+        case '*':
+            if (parse_int(line + 1, len - 1, &value) < 0) {
+                return fail(r, PyExc_ValueError, "protocol error: bad array length");
+            }
+            if (value > 0 && skim_array(r, value, err, errlen, depth + 1) < 0) {
+                return -1;
+            }
+            break;
+        case '-':
+            if (*err == NULL) {
+                *err = PyMem_RawMalloc((size_t)len);
+                if (*err == NULL) {
+                    gil_take(r);
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                memcpy(*err, line + 1, (size_t)(len - 1));
+                (*err)[len - 1] = '\0';
+                *errlen = len - 1;
+            }
+            break;
+        case ':':
+        case '+':
+        case '_':
+            break;
+        default:
+            gil_take(r);
+            unexpected_reply(line, len);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* One bulk reply of `length` bytes: its destination from the sink (or a fresh bytearray),
@@ -145,6 +225,27 @@ static PyObject *reply_from_line(reader_t *r, Py_ssize_t index, const char *line
         return PyObject_CallFunction(make_error, "s#", line + 1, len - 1);
     case '_':
         Py_RETURN_NONE;
+    case '*': {
+        if (parse_int(line + 1, len - 1, &value) < 0) {
+            PyErr_SetString(PyExc_ValueError, "protocol error: bad array length");
+            return NULL;
+        }
+        if (value < 0) {
+            Py_RETURN_NONE;
+        }
+        char *err = NULL;
+        Py_ssize_t errlen = 0;
+        if (skim_array(r, value, &err, &errlen, 0) < 0) {
+            PyMem_RawFree(err);
+            return NULL;
+        }
+        if (err != NULL) {
+            PyObject *error = PyObject_CallFunction(make_error, "s#", err, errlen);
+            PyMem_RawFree(err);
+            return error;
+        }
+        return PyLong_FromLongLong(value);
+    }
     default:
         unexpected_reply(line, len);
         return NULL;
@@ -308,6 +409,30 @@ int receive_record(reader_t *r, record_t *rec, places_t *places, Py_ssize_t i) {
     case '_':
         rec->kind = 'N';
         return 0;
+    case '*': {
+        if (parse_int(line + 1, len - 1, &value) < 0) {
+            return fail(r, PyExc_ValueError, "protocol error: bad array length");
+        }
+        if (value < 0) {
+            rec->kind = 'N';
+            return 0;
+        }
+        char *err = NULL;
+        Py_ssize_t errlen = 0;
+        if (skim_array(r, value, &err, &errlen, 0) < 0) {
+            PyMem_RawFree(err);
+            return -1;
+        }
+        if (err != NULL) {
+            rec->data = err;
+            rec->len = errlen;
+            rec->kind = 'E';
+            return 0;
+        }
+        rec->kind = 'I';
+        rec->value = value;
+        return 0;
+    }
     default:
         gil_take(r);
         unexpected_reply(line, len);

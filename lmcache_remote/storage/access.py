@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.errors import BackendError, BackendPermissionError, BackendUnavailableError
@@ -32,10 +33,15 @@ from lmcache_remote.storage.client import make_client, translate
 from lmcache_remote.storage.redis_commands import chunk_write_command
 
 #: Commands the engine sends (chunks: EXISTS GET SET MSET UNLINK, GETRANGE of the header of a
-#: chunk cut into other parts than planned, and EVAL of a script that SETs a multi-part chunk's
-#: values with PX when `remote_ttl` is set; fleet stats: HSET EXPIRE; the access check: PING).
+#: chunk cut into other parts than planned; a multi-part chunk with `remote_ttl`: MULTI, MSET,
+#: PEXPIRE per value, EXEC on a single server, on a cluster EVAL of a script that SETs each
+#: value with PX; admission counts (`store_after`): EVAL of a script that runs EXISTS, INCR,
+#: PEXPIRE; pins (`storage.pins`): EVAL of scripts over the registry hash (HGET HSET HDEL
+#: HGETALL), PERSIST and PEXPIRE of the chunks' values; fleet stats: HSET EXPIRE; the access
+#: check: PING).
 ENGINE_COMMANDS = ("ping", "exists", "get", "getrange", "set", "mset", "eval", "unlink", "hset",
-                   "expire", "touch")
+                   "expire", "touch", "multi", "exec", "pexpire", "incr", "persist", "hget",
+                   "hdel", "hgetall")
 #: Commands the CLI adds (listing, inspecting, exporting, stats, eviction).
 ADMIN_COMMANDS = ("scan", "strlen", "object|idletime", "pttl", "mget", "hgetall", "info")
 #: What the CLI's reads add where the server has it (Redis 7.2 and newer, Valkey; Redis 7.0
@@ -43,7 +49,9 @@ ADMIN_COMMANDS = ("scan", "strlen", "object|idletime", "pttl", "mget", "hgetall"
 #: keys' LRU clocks alone (admin.notouch). Without the right they touch them, as on Redis 7.0.
 ADMIN_NO_TOUCH = ("client|no-touch",)
 _PROBE_TTL_MS = 10_000
-_PROBE = ("mset", "set", "eval", "exists", "get", "getrange", "unlink")
+_PROBE = ("mset", "set", "eval", "pexpire", "exists", "get", "getrange", "unlink")
+#: Probed last on a single server, where a multi-part chunk with an expiry is a transaction.
+_TRANSACTION = ("multi", "exec")
 #: Probed after `_PROBE` when the config uses them; refused, they turn a feature off.
 _OPTIONAL = ("touch",)
 
@@ -68,10 +76,13 @@ def check_access(config: CacheConfig) -> list[str]:
         except Exception as exc:  # redis-py's cluster errors are no RedisError
             raise BackendUnavailableError(
                 f"{where}: {type(exc).__name__}: {mask_url(str(exc))}") from exc
-        optional = results[len(_PROBE):]
-        results = results[:len(_PROBE)]
-        refused = [(cmd, r) for cmd, r in zip(_PROBE, results, strict=True)
+        probed = _PROBE + (_TRANSACTION if _transactions(client) else ())
+        optional = results[len(probed):]
+        results = results[:len(probed)]
+        refused = [(cmd, r) for cmd, r in zip(probed, results, strict=True)
                    if isinstance(r, Exception)]
+        if refused and refused[-1][0] == "exec" and "multi" in dict(refused):
+            refused.pop()  # EXEC without the MULTI it was refused
         if refused:
             names = ", ".join(cmd.upper() for cmd, _ in refused)
             first = translate(refused[0][1], where)
@@ -85,15 +96,24 @@ def check_access(config: CacheConfig) -> list[str]:
             client.close()
 
 
+def _transactions(client: Any) -> bool:
+    """Whether this client's writes use MULTI/EXEC (a single server; a cluster's use EVAL)."""
+    return not isinstance(client, RedisCluster)
+
+
 def _probe(client: Any, key: str, touch: bool = False) -> list[Any]:
     pipe = client.pipeline(transaction=False)
     pipe.execute_command("MSET", key, b"lmcr-probe")  # .mset() is refused in cluster pipelines
     pipe.set(key, b"lmcr-probe", px=_PROBE_TTL_MS)
     pipe.execute_command(*chunk_write_command([key], [b"lmcr-probe"], _PROBE_TTL_MS, script=True))
+    pipe.pexpire(key, _PROBE_TTL_MS)
     pipe.exists(key)
     pipe.get(key)
     pipe.getrange(key, 0, 79)
     pipe.unlink(key)
+    if _transactions(client):
+        pipe.execute_command("MULTI")  # an empty transaction: asks for the rights only
+        pipe.execute_command("EXEC")
     if touch:
         pipe.touch(key)  # after the unlink: refreshes nothing, only asks for the right
     return list(pipe.execute(raise_on_error=False))

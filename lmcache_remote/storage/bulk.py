@@ -15,7 +15,9 @@ Contract:
   packed by `pack_command`), then reads exactly one reply per command, in order. A bulk
   string reply is received into ``sink(index, length)`` when that returns a writable buffer
   of exactly ``length`` bytes (or a list of buffers that add up to it, and the reply is then
-  that list), else into a fresh buffer; a nil is None, an integer an int, a status a `bytes`.
+  that list), else into a fresh buffer; a nil is None, an integer an int, a status a `bytes`,
+  an array (EXEC's, a script's) its length as an int, or its first error element as an error
+  reply (nothing else of it is kept).
   ``sink`` may also be a list of places, one per command, given up front (a buffer, a list of
   buffers, or None): a bulk reply whose length is its place's total lands there, any other in
   a fresh buffer. The native loop runs such a batch without the GIL from end to end, and

@@ -79,6 +79,9 @@ class ClusterLookup(RemoteLookup):
         """The cluster client, built on first use (`BackendUnavailableError` while unreachable)."""
         return self.scatter.cluster()
 
+    def redis_client(self) -> Any:
+        return self.cluster()
+
     def _run(self, commands: Sequence[Command], what: str, bulk: bool = True,
              receive: Receive | None = None) -> list[Any]:
         """`ClusterScatter.run`: each command's reply, `FAILED` where its node failed."""
@@ -93,6 +96,10 @@ class ClusterLookup(RemoteLookup):
         results = self._run([("EXISTS", *keys) for keys in key_lists], "lookup")
         counts = [None if failed(r) else int(r) for r in results]
         return self._not_known_foreign(specs, self._present(specs, key_lists, counts))
+
+    def _lookup_batch(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """`RemoteLookup._lookup_batch` per node: a failed node's replies are None."""
+        return [None if failed(r) else r for r in self._run(list(commands), "lookup")]
 
     def _lookup_run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """`RedisTier._lookup_run` per node (a failed node's replies are `FAILED`)."""

@@ -6,7 +6,9 @@ What it promises the engine:
   in one remote round trip (per window for fetch); a remote failure is a miss, counted. A
   Redis hit is kept in the local tier.
 - `plan_store`: which chunks need writing where: local (absent locally) and remote (absent in
-  Redis: one round trip to ask, so nothing Redis has is sent again).
+  Redis: one round trip to ask, so nothing Redis has is sent again). Under `store_after` > 1
+  that round trip also counts the fleet's tries to store each chunk Redis lacks, and a chunk
+  goes to neither tier until its count reaches `store_after` (docs/pins.md).
 - `write`: local tier now; Redis through the write-behind queue (`store_async`,
   `write_behind.WriteBehindQueue`) or at once. The queue is bounded in bytes; when full, new
   writes are dropped and counted, never waited for. `flush()` drains it within a bounded time.
@@ -39,8 +41,10 @@ errors also in `remote.permission_errors`, logged as errors (`note_remote_failur
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -52,6 +56,7 @@ from lmcache_remote.storage.access import check_access
 from lmcache_remote.storage.budget import queue_share_bytes, read_share_bytes, within_read_share
 from lmcache_remote.storage.local_cpu import LocalCPUTier
 from lmcache_remote.storage.memory import ChunkLayout, MemoryObj, MemoryPool
+from lmcache_remote.storage.pins import PinRefused, Pins, PinTarget
 from lmcache_remote.storage.tiers import make_remote_tier
 from lmcache_remote.storage.write_behind import (
     PendingWrites,
@@ -68,6 +73,8 @@ logger = logging.getLogger(__name__)
 #: An allocation that finds the pool full evicts and tries again at most this often (another
 #: thread may take the room an eviction made).
 _ALLOCATE_TRIES = 3
+#: Admission counts kept in this process at most (`AdmissionCounts`): about 100 bytes each.
+_LOCAL_COUNTS = 65536
 
 
 @dataclasses.dataclass
@@ -107,6 +114,13 @@ class StorageManager:
         #: from reads (`telemetry.figures`; the load decision reads it)
         self.link = LinkFigures()
         self._log = RateLimitedLogger(logger)
+        #: the fleet's pin registry (`storage.pins`): requests' retention, and sweeps
+        self.pins = (Pins(self.remote.redis_client, config.key_prefix, config.pin_budget_bytes,
+                          None if config.remote_ttl is None else int(config.remote_ttl * 1000),
+                          call=self.remote.caller.call)
+                     if self.remote is not None else None)
+        self._count_window_ms = int(config.store_after_window * 1000)
+        self._counts = AdmissionCounts(config.store_after_window)
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -237,6 +251,12 @@ class StorageManager:
     # -- writes -------------------------------------------------------------------------------
 
     def plan_store(self, specs: Sequence[ChunkSpec]) -> StorePlan:
+        """Which chunks need writing where (the module doc). Under `store_after` > 1 a chunk
+        neither Redis nor the local tier holds is written to either only once the fleet has
+        tried to store it that many times: Redis counts the tries in the same round trip that
+        asks what it holds (`RemoteLookup.admit`); without Redis, or when it fails, this
+        process counts them (`AdmissionCounts`). Chunks held back are counted in
+        `store.not_admitted_chunks`."""
         n = len(specs)
         local_objs: list[MemoryObj | None] = (
             self.local.get_each(specs) if self.local is not None else [None] * n
@@ -244,15 +264,31 @@ class StorageManager:
         need_local = [self.local is not None and o is None for o in local_objs]
         need_remote = [False] * n
         remote_has = [False] * n
+        admitted: list[bool] | None = None
+        after = self.config.store_after
         if self.remote is not None and n:
             try:
-                remote_has = timed(self.metrics, "remote.contains_seconds",
-                                    self.remote.contains, specs)
+                if after > 1:
+                    remote_has, tries = timed(self.metrics, "remote.contains_seconds",
+                                              self.remote.admit, specs, self._count_window_ms)
+                    admitted = [h or t >= after for h, t in zip(remote_has, tries, strict=True)]
+                else:
+                    remote_has = timed(self.metrics, "remote.contains_seconds",
+                                       self.remote.contains, specs)
                 need_remote = [not p for p in remote_has]
             except BackendError as exc:
                 self.metrics.inc("remote.dropped_chunks", n)
                 note_remote_failure(self.metrics, self._log, "plan", exc,
                                     "remote unavailable, writes dropped: %s", exc)
+        if after > 1 and n:
+            if admitted is None:  # no Redis to count with: this process counts
+                admitted = [h or self._counts.tried(s.key) >= after
+                            for s, h in zip(specs, remote_has, strict=True)]
+            held = [i for i in range(n) if not admitted[i] and (need_local[i] or need_remote[i])]
+            for i in held:
+                need_local[i] = need_remote[i] = False
+            if held:
+                self.metrics.inc("store.not_admitted_chunks", len(held))
         return StorePlan(need_local, need_remote, remote_has, local_objs)
 
     def write(
@@ -296,6 +332,44 @@ class StorageManager:
         for i, ok in zip(mine, landed, strict=True):
             accepted[i] = ok
         return accepted
+
+    def retain(self, specs: Sequence[ChunkSpec], until: float | None) -> None:
+        """Pin these chunks in Redis until the wall-clock time `until` (None: no end), after
+        the writes queued before (on the writer thread with `store_async`, else now). A pin
+        past the budget is refused, counted (`pins.refused_chunks`) and logged; nothing
+        raises."""
+        if self.pins is None or not specs:
+            return
+        remote, pins = self.remote, self.pins
+        assert remote is not None
+        targets = [PinTarget(remote.chunk_keys(s)[0], len(remote.chunk_keys(s)),
+                             self.layout.nbytes(s.num_tokens)) for s in specs]
+
+        def job() -> None:
+            try:
+                pins.pin(targets, until)
+                self.metrics.inc("pins.pinned_chunks", len(targets))
+            except PinRefused as exc:
+                self.metrics.inc("pins.refused_chunks", len(targets))
+                self._log.warning("pin-refused", "a pin was refused: %s", exc)
+            except BackendError as exc:
+                note_remote_failure(self.metrics, self._log, "pin", exc,
+                                    "a pin failed: %s", exc)
+
+        if self.queue is None or not self.queue.submit_job(job):
+            job()
+
+    def sweep_pins(self) -> int:
+        """End the pins whose time has passed (`Pins.sweep`); how many ended (0 on failure,
+        counted)."""
+        if self.pins is None:
+            return 0
+        try:
+            return self.pins.sweep()
+        except BackendError as exc:
+            note_remote_failure(self.metrics, self._log, "pin-sweep", exc,
+                                "ending past pins failed: %s", exc)
+            return 0
 
     def check_remote(self) -> None:
         """`storage.access.check_access` on the configured Redis (nothing without one), then
@@ -348,6 +422,32 @@ class StorageManager:
         if self.remote is not None:
             self.remote.close()
         self.pool.trim()
+
+
+class AdmissionCounts:
+    """Tries to store each chunk, counted in this process: `store_after` without Redis to
+    count with (no remote tier, or one that failed the round trip). Each count lives
+    `window` seconds from its first try, as Redis's do; at most `_LOCAL_COUNTS` are kept (the
+    oldest forgotten first). Thread-safe."""
+
+    def __init__(self, window: float) -> None:
+        self._window = window
+        self._first: collections.OrderedDict[CacheEngineKey, tuple[float, int]] = (
+            collections.OrderedDict())
+        self._lock = threading.Lock()
+
+    def tried(self, key: CacheEngineKey) -> int:
+        """Counts one more try of `key`; the tries within the window, this one included."""
+        now = time.monotonic()
+        with self._lock:
+            first, count = self._first.get(key, (now, 0))
+            if now - first >= self._window:
+                first, count = now, 0
+            self._first[key] = (first, count + 1)
+            self._first.move_to_end(key)
+            while len(self._first) > _LOCAL_COUNTS:
+                self._first.popitem(last=False)
+            return count + 1
 
 
 def _merge_prefix(

@@ -6,6 +6,9 @@ Each engine owns one small hash, `keys.engine_stats_key(prefix, engine_id)`
 `publish_now()` (the engine calls it from `flush()` and `close()`). An engine that stops
 publishing disappears when its hash expires. `lmcache-remote stats` sums the hashes it finds.
 
+The same thread runs the owner's chore every `chore_interval` (an engine ends the pins whose
+time has passed, `storage.pins.Pins.sweep`).
+
 Publishing never touches inference: it runs on its own thread with its own bounded calls
 (`remote_timeout`), is skipped while the remote tier's health gate reports Redis unhealthy,
 never opens that gate itself, and counts what happens in `publisher.published`,
@@ -23,6 +26,7 @@ from typing import Any, Protocol
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.storage.client import translate
 from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.pins import SWEEP_INTERVAL
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
@@ -49,7 +53,8 @@ class StatsPublisher:
 
     def __init__(self, remote: Remote, key: str, interval: float,
                  fields: Callable[[], Mapping[str, FieldValue]], metrics: Metrics,
-                 *, threaded: bool = True) -> None:
+                 *, threaded: bool = True, chore: Callable[[], object] | None = None,
+                 chore_interval: float = SWEEP_INTERVAL) -> None:
         self._remote = remote
         self._key = key
         self._interval = interval
@@ -61,6 +66,9 @@ class StatsPublisher:
         self._stop = threading.Event()
         self._last = float("-inf")
         self._thread: threading.Thread | None = None
+        self._chore = chore
+        self._chore_interval = chore_interval
+        self._chore_last = time.monotonic()
         if threaded:
             self._thread = threading.Thread(target=self._run, name="lmcr-stats-publisher",
                                             daemon=True)
@@ -111,3 +119,18 @@ class StatsPublisher:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             self.publish_now()
+            self._run_chore()
+
+    def _run_chore(self) -> None:
+        """The owner's periodic chore (an engine's: ending past pins, `storage.pins`), every
+        `chore_interval` on this thread while Redis is healthy; it must not raise."""
+        now = time.monotonic()
+        if (self._chore is None or now - self._chore_last < self._chore_interval
+                or not self._remote.gate.healthy):
+            return
+        self._chore_last = now
+        try:
+            self._chore()
+        except Exception as exc:  # never let a chore end the thread
+            self._metrics.inc("publisher.errors")
+            self._log.warning("chore", "a periodic chore failed: %s", exc)

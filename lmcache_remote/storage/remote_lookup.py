@@ -67,6 +67,18 @@ _KEY_CACHE_SIZE = 4096
 #: `_FOREIGN_SECONDS` (the other release may delete or replace the value), at most this many.
 _FOREIGN_KEPT = 4096
 _FOREIGN_SECONDS = 300.0
+#: Admission (`store_after`, docs/key-schema.md "Admission counts"), per chunk in one step on
+#: its slot: EXISTS of its planned keys (KEYS but the last); when not all are there, INCR of its
+#: count (the last key), which expires ARGV[1] ms after the first try. One integer back:
+#: `count * 65536 + keys present` (count 0: every key was there, nothing counted).
+ADMIT_SCRIPT = (
+    "local n = #KEYS - 1 "
+    "local present = redis.call('EXISTS', unpack(KEYS, 1, n)) "
+    "if present == n then return present end "
+    "local c = redis.call('INCR', KEYS[#KEYS]) "
+    "if c == 1 then redis.call('PEXPIRE', KEYS[#KEYS], ARGV[1]) end "
+    "return c * 65536 + present"
+)
 
 
 def sockets_in_use(client: Any) -> list[socket.socket]:
@@ -141,6 +153,14 @@ class RemoteLookup:
             self._key_cache[(spec.key, nparts)] = cached
         return cached
 
+    def chunk_keys(self, spec: ChunkSpec) -> list[str]:
+        """The keys of the chunk's values as this tier writes it (value 0 first)."""
+        return self._keys(spec)
+
+    def redis_client(self) -> Any:
+        """The redis-py client for plain commands (a cluster's, once it answers)."""
+        return self.client
+
     def _exists_command(self, spec: ChunkSpec) -> bytes:
         """``EXISTS key part1 ...`` of the chunk, packed once and cached."""
         nparts = self._nparts(spec.num_tokens)
@@ -164,6 +184,27 @@ class RemoteLookup:
             lambda: wire.execute([self._exists_command(s) for s in specs]))
         return self._not_known_foreign(specs, self._present(specs, key_lists,
                                                             [int(c) for c in counts]))
+
+    def admit(self, specs: Sequence[ChunkSpec], window_ms: int) -> tuple[list[bool], list[int]]:
+        """`contains` for a store under `store_after`, in the same one round trip: per chunk
+        whether Redis holds it, and for each one it lacks the fleet's count of tries to store
+        it, this one included (0 where it is held: nothing is counted)."""
+        if not specs:
+            return [], []
+        key_lists = [self._keys(s) for s in specs]
+        replies = self._lookup_batch([
+            ("EVAL", ADMIT_SCRIPT, len(keys) + 1, *keys, s.key.store_count_key(self.prefix),
+             window_ms) for s, keys in zip(specs, key_lists, strict=True)])
+        counts = [None if r is None else int(r) % 65536 for r in replies]
+        tries = [0 if r is None else int(r) // 65536 for r in replies]
+        present = self._not_known_foreign(specs, self._present(specs, key_lists, counts))
+        return present, tries
+
+    def _lookup_batch(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """One pipeline of small lookup commands through the bulk path; their replies (None
+        where a cluster's node failed)."""
+        wire = self._bulk()
+        return list(self.caller.call(lambda: wire.execute(commands)))
 
     def _not_known_foreign(self, specs: Sequence[ChunkSpec], present: list[bool]) -> list[bool]:
         """``present`` less the chunks this process found foreign a moment ago (a value it

@@ -233,7 +233,37 @@ class RespReader:
             return error_reply(rest.decode("utf-8", "replace"))
         if kind == b"_":
             return None
+        if kind == b"*":
+            count = int(rest)
+            if count < 0:
+                return None
+            first = self.skim(count, 0)
+            return count if first is None else first
         raise redis.ConnectionError(f"protocol error: unexpected reply {line[:20]!r}")
+
+    def skim(self, count: int, depth: int) -> ResponseError | None:
+        """Reads ``count`` elements of an array reply (EXEC's, a script's), keeping only its
+        first error element: the batch sees an array as its length, or that error."""
+        if depth > 8:
+            raise redis.ConnectionError("protocol error: arrays nested too deep")
+        first: ResponseError | None = None
+        for _ in range(count):
+            line = self.line()
+            kind, rest = line[:1], line[1:]
+            if kind == b"$" and int(rest) >= 0:
+                if int(rest) > self.max_bulk:
+                    raise ValueError(f"protocol error: a bulk reply of {int(rest)} bytes, "
+                                     f"more than the {self.max_bulk} expected")
+                self.into([memoryview(bytearray(int(rest)))])
+                self.skip_crlf()
+            elif kind == b"*":
+                inner = self.skim(max(0, int(rest)), depth + 1)
+                first = first or inner
+            elif kind == b"-":
+                first = first or error_reply(rest.decode("utf-8", "replace"))
+            elif kind not in (b"$", b":", b"+", b"_"):
+                raise redis.ConnectionError(f"protocol error: unexpected reply {line[:20]!r}")
+        return first
 
 
 def translate(exc: BaseException) -> BaseException:

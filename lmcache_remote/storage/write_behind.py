@@ -7,6 +7,8 @@ What it promises (`StorageManager.write` uses it):
   `remote.queue_full_drops`): a full queue is never waited for. One daemon thread drains it
   into Redis (`put_remote`); `flush` waits, bounded, until it is empty; `close` flushes, then
   cuts off a write still in flight (`RedisTier.stop_io`) and drops what is left.
+- `submit_job` runs a job on the writer thread after the writes queued before it (a request's
+  pins, once its chunks landed).
 - `PendingWrites`: the chunk keys queued or being written now, so that no chunk is written
   twice at once (`remote.duplicate_writes_skipped`, counted by the manager).
 - `put_remote` writes chunks now, timed (`remote.put_seconds`) and counted; a remote failure
@@ -65,7 +67,8 @@ class WriteBehindQueue:
         self._max_bytes = max_bytes
         self._metrics = metrics
         self._pending = pending
-        self._items: deque[tuple[list[CacheEngineKey], list[MemoryObj], int]] = deque()
+        self._items: deque[tuple[list[CacheEngineKey], list[MemoryObj], int,
+                                 Callable[[], None] | None]] = deque()
         self._bytes = 0
         self._busy = False
         self._closed = False
@@ -91,7 +94,7 @@ class WriteBehindQueue:
             if fit:
                 taken = objs[:fit]
                 nbytes = sum(o.nbytes for o in taken)
-                self._items.append((keys[:fit], [o.retain() for o in taken], nbytes))
+                self._items.append((keys[:fit], [o.retain() for o in taken], nbytes, None))
                 self._bytes += nbytes
                 self._cond.notify_all()
         if fit < len(keys):
@@ -99,6 +102,16 @@ class WriteBehindQueue:
             self._metrics.inc("remote.queue_full_drops", len(keys) - fit)
             self._pending.done(keys[fit:])
         return fit
+
+    def submit_job(self, job: Callable[[], None]) -> bool:
+        """Run `job` on the writer thread once the writes queued before it are done (a
+        request's pins after its chunks landed); False when the queue is closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._items.append(([], [], 0, job))
+            self._cond.notify_all()
+        return True
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write reached Redis or was dropped; False on timeout."""
@@ -135,10 +148,13 @@ class WriteBehindQueue:
                     self._cond.wait()
                 if not self._items:
                     return
-                keys, objs, nbytes = self._items.popleft()
+                keys, objs, nbytes, job = self._items.popleft()
                 self._busy = True
             try:
-                self._write(keys, objs)
+                if job is not None:
+                    self._run_job(job)
+                else:
+                    self._write(keys, objs)
             finally:
                 self._pending.done(keys)
                 for obj in objs:
@@ -147,6 +163,13 @@ class WriteBehindQueue:
                     self._bytes -= nbytes
                     self._busy = False
                     self._cond.notify_all()
+
+    def _run_job(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:  # the thread must survive anything a job does
+            self._metrics.inc("remote.errors")
+            logger.exception("unexpected error in a write-behind job")
 
     def _write(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
         try:

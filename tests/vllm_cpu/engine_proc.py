@@ -29,6 +29,8 @@ stdout and stderr):
     image by its uuid instead of a hash of its pixels);
   - `"lora": {"name", "id", "path", "load_inplace" (optional, false)}`: a `LoRARequest`
     (the engine needs `enable_lora`);
+  - `"kv_transfer_params": {...}`: the request's `kv_transfer_params` (what vLLM's OpenAI
+    server hands to connectors, as `SamplingParams.extra_args`), e.g. `{"lmcr_pin": true}`;
   - `"embeds": "/path/file.pt"`: the request is `{"prompt_embeds": torch.load(path)}` (a 2-D
     tensor, one row per position; needs `enable_prompt_embeds`) and `prompt` is ignored.
 - `{"op": "reset_encoder_cache"}`: vLLM's `LLMEngine.reset_encoder_cache()` (cached vision
@@ -107,8 +109,10 @@ def _lora(spec: dict[str, Any] | None) -> Any:
 def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
+    extra = ({"kv_transfer_params": command["kv_transfer_params"]}
+             if command.get("kv_transfer_params") is not None else None)
     params = SamplingParams(max_tokens=int(command.get("max_tokens", 1)), temperature=0.0,
-                            logprobs=5, ignore_eos=True, detokenize=False)
+                            logprobs=5, ignore_eos=True, detokenize=False, extra_args=extra)
     start = time.perf_counter()
     out = llm.generate([_request(command)], params, use_tqdm=False,
                        lora_request=_lora(command.get("lora")))[0]

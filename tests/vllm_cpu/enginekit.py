@@ -78,12 +78,12 @@ class Engine:
         whole whatever the engine's prefix cache or the connector holds. `extra`: the
         command's other optional fields, `images` (image seeds, see mmkit), `mm_uuids`,
         `lora` ({"name", "id", "path", "load_inplace"}), `embeds` (a .pt file of a 2-D
-        tensor, which replaces `prompt`). `timeout`: seconds to wait for the answer (see
-        `_answer`)."""
+        tensor, which replaces `prompt`), `kv_transfer_params` (a dict). `timeout`: seconds
+        to wait for the answer (see `_answer`)."""
         command: dict[str, Any] = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens}
         if cache_salt is not None:
             command["cache_salt"] = cache_salt
-        unknown = set(extra) - {"images", "mm_uuids", "lora", "embeds"}
+        unknown = set(extra) - {"images", "mm_uuids", "lora", "embeds", "kv_transfer_params"}
         assert not unknown, f"generate: unknown fields {sorted(unknown)}"
         command.update({k: str(v) if k == "embeds" else v
                         for k, v in extra.items() if v is not None})

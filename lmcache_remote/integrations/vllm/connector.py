@@ -101,7 +101,12 @@ from lmcache_remote.integrations.vllm.messages import (
     LmcrWorkerMetadata,
 )
 from lmcache_remote.integrations.vllm.metrics import LmcrConnectorStats, LmcrPromMetrics
-from lmcache_remote.integrations.vllm.requests import RequestNames, UnnamedRequest
+from lmcache_remote.integrations.vllm.requests import (
+    BadRetention,
+    RequestNames,
+    UnnamedRequest,
+    retention,
+)
 from lmcache_remote.integrations.vllm_core import (
     ROLES,
     CachedRequest,
@@ -382,6 +387,12 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         except UnnamedRequest as exc:
             side.unnamed(request.request_id, str(exc))
             return 0, False
+        try:
+            side.retain(request.request_id,
+                        retention(getattr(request, "kv_transfer_params", None)))
+        except BadRetention as exc:
+            logger.warning("lmcache-remote: request %s: %s; served without retention",
+                           request.request_id, exc)
         n = side.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens,
                                         identity)
         if n is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import struct
 import threading
@@ -57,6 +58,33 @@ logger = logging.getLogger(__name__)
 __all__ = ["MM_ITEM_MODES", "Adapters", "RequestNames", "UnnamedRequest", "item_digest"]
 
 ITEM_PERSON = b"lmcr-mm-item1"
+
+
+#: The `kv_transfer_params` a request asks for retention with (docs/pins.md): pinned for
+#: this many seconds, or (`lmcr_pin: true`) for the operator's `max_retain_seconds`.
+RETAIN_SECONDS, PIN = "lmcr_retain_seconds", "lmcr_pin"
+
+
+class BadRetention(ValueError):
+    """A request's retention parameter is not one the connector understands."""
+
+
+def retention(params: Any) -> float | None:
+    """Seconds a request asks its prefix to stay pinned (`math.inf` for `lmcr_pin: true`),
+    from vLLM's `kv_transfer_params` (the field its OpenAI server hands to connectors); None
+    when it asks nothing. `BadRetention` for a value that is not a positive number or a
+    boolean."""
+    if not isinstance(params, dict):
+        return None
+    pin, seconds = params.get(PIN), params.get(RETAIN_SECONDS)
+    if pin is not None and not isinstance(pin, bool):
+        raise BadRetention(f"{PIN} must be true or false, got {pin!r}")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int | float)
+                                or not seconds > 0 or seconds != seconds):
+        raise BadRetention(f"{RETAIN_SECONDS} must be a positive number, got {seconds!r}")
+    if pin:
+        return math.inf
+    return None if seconds is None else float(seconds)
 
 
 class UnnamedRequest(Exception):

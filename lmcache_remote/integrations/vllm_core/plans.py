@@ -42,6 +42,10 @@ class RequestPlan:
     load_budget: float | None = None
     """Seconds the load may take (the scheduler's `decision.Verdict.load_budget`): past them
     computing would have been quicker, and the load is abandoned as failed."""
+    retain: float | None = None
+    """Seconds the request asked its prefix to stay pinned in Redis (its `kv_transfer_params`,
+    `lmcr_retain_seconds` or `lmcr_pin`: inf); the worker's engine cuts it to
+    `max_retain_seconds` and pins what it loads and stores (docs/pins.md)."""
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:

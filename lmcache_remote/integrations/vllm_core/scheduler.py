@@ -134,6 +134,7 @@ class SchedulerSide:
         self._load_blocks: dict[str, list[list[int]]] = {}  # for loads run asynchronously
         #: requests vLLM asked about, and what names their chunks beside the tokens
         self._identities: dict[str, RequestIdentity | None] = {}
+        self._retain: dict[str, float] = {}  # seconds each request asked to stay pinned
         self._unnamed: set[str] = set()  # requests passed through (`unnamed`)
         self._prompts: dict[str, list[int]] = {}
         self._trackers: dict[str, _Tracker] = {}
@@ -144,6 +145,14 @@ class SchedulerSide:
         if decision is not None:
             publish_figures(self.metrics, decision.figures())
         self._log = RateLimitedLogger(logger)
+
+    def retain(self, req_id: str, seconds: float | None) -> None:
+        """The request asks its prefix to stay pinned this long (`requests.retention`); every
+        plan of it carries the ask to the workers."""
+        if seconds is None:
+            self._retain.pop(req_id, None)
+        else:
+            self._retain[req_id] = seconds
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
                                identity: RequestIdentity | None = None) -> int | None:
@@ -345,7 +354,8 @@ class SchedulerSide:
                     slots = slot_mapping(block_ids[group], self._block_size(group), load.end)
                     mine.append(RequestPlan(req_id, tracker.prompt[:load.end], slots,
                                             tracker.identity, span, None, async_load=True,
-                                            group=group, load_budget=self._budget(req_id)))
+                                            group=group, load_budget=self._budget(req_id),
+                                            retain=self._retain.get(req_id)))
             except ValueError as exc:
                 self._log.warning("plan", "request %s skipped: %s", req_id, exc)
                 mine = []
@@ -366,6 +376,7 @@ class SchedulerSide:
         self._load_blocks.pop(req_id, None)
         self._prompts.pop(req_id, None)
         self._identities.pop(req_id, None)
+        self._retain.pop(req_id, None)
         self._unnamed.discard(req_id)
         self._trackers.pop(req_id, None)
         self._failures.pop(req_id, None)
@@ -401,7 +412,8 @@ class SchedulerSide:
             plans.append(RequestPlan(req_id, tracker.prompt[:n], slots, tracker.identity,
                                      group_load, group_save, group=group,
                                      load_budget=None if group_load is None
-                                     else self._budget(req_id)))
+                                     else self._budget(req_id),
+                                     retain=self._retain.get(req_id)))
         if save is not None:
             tracker.stored_end = save.end
             if self.async_save and plans:

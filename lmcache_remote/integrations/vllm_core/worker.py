@@ -386,9 +386,18 @@ class WorkerSide:
                                               self._mask(span.skip, span.end),
                                               identity=plan.identity, load_policy="always")
             hit_end = _hit_end(hit, span.skip)
+            self._pin_hit(plan, hit_end)
         except Exception as exc:
             self._log.warning("load", "load of request %s failed: %s", plan.req_id, exc)
         return self._missed_blocks(plan, hit_end)
+
+    def _pin_hit(self, plan: RequestPlan, hit_end: int) -> None:
+        """A request that asked for retention keeps the prefix it loaded pinned (its stores
+        pin what they add: `CacheEngine.store(retain=)`)."""
+        if plan.retain and hit_end > 0:
+            engine = self._engine()
+            engine.pin(plan.token_ids[:hit_end], identity=plan.identity,
+                       seconds=min(plan.retain, engine.config.max_retain_seconds))
 
     def _store_in_background(self, plan: RequestPlan, event: object | None) -> None:
         """A whole store on the saver thread, after the step's forward (on CUDA its stream
@@ -427,11 +436,13 @@ class WorkerSide:
                 hit = self._engine().retrieve(*args, identity=plan.identity,
                                               load_policy="always")
             self._report_misses(plan, _hit_end(hit, span.skip))
+            self._pin_hit(plan, _hit_end(hit, span.skip))
             return
         gen = self._engine().retrieve_layer(*args, identity=plan.identity, load_policy="always")
         with _budget(plan):
             hit_end = _hit_end(next(gen), span.skip)  # fetched now; the layers follow
         self._report_misses(plan, hit_end)  # known already: vLLM may learn it this step
+        self._pin_hit(plan, hit_end)
         if hit_end > span.skip:
             self._loads.append(_PendingLoad(plan, gen, self._engine().layout.num_layers))
         else:
@@ -492,7 +503,7 @@ class WorkerSide:
         span = _span(plan.save)
         gen = self._engine().store_layer(plan.token_ids[: span.end], self._kv(plan, span.end),
                                          self._mask(span.skip, span.end),
-                                         identity=plan.identity)
+                                         identity=plan.identity, retain=plan.retain)
         self._stores.append(_PendingStore(plan, gen, self._engine().layout.num_layers + 1))
 
     def _step_store(self, pending: _PendingStore, upto: int) -> None:
@@ -527,7 +538,8 @@ class WorkerSide:
     def _store_whole(self, plan: RequestPlan) -> None:
         span = _span(plan.save)
         self._engine().store(plan.token_ids[: span.end], self._kv(plan, span.end),
-                             self._mask(span.skip, span.end), identity=plan.identity)
+                             self._mask(span.skip, span.end), identity=plan.identity,
+                             retain=plan.retain)
 
     def _guard(self, plan: RequestPlan, what: str, action: Callable[[RequestPlan], None]) -> None:
         """Run one request's transfer; a failure is logged and, for a load, reported."""
