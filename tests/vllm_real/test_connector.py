@@ -1,4 +1,5 @@
-"""LmcrConnector inside vLLM 0.33.0: its factory, its Scheduler, its worker plumbing (`rig`).
+"""LmcrConnector inside vLLM 0.33.0 and 0.34.0: the factory, the Scheduler, the worker
+plumbing (`rig`; on 0.34 the worker hooks are driven by vLLM's `ActiveKVConnector`).
 
 Every engine here is `rig.Instance`: vLLM's real scheduler and connector plumbing around a fake
 forward whose attention checks, at every layer of every step, that each scheduled request's
@@ -997,9 +998,10 @@ def test_a_vllm_outside_the_tested_releases_warns(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING):
         adapter.check_version("0.33.0")
         adapter.check_version("0.32.1+cpu")
+        adapter.check_version("0.34.0")
     assert not caplog.records
     with caplog.at_level(logging.WARNING):
-        adapter.check_version("0.34.0")
+        adapter.check_version("0.35.0")
     assert "outside the releases" in caplog.text
 
 
