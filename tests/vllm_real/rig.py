@@ -349,7 +349,10 @@ class Instance:
                  kv_heads: int = HEADS, head_size: int = HEAD,
                  step_time: Callable[[SchedulerOutput], float] | None = None,
                  fake_compute: bool = True, log_stats: bool = False,
-                 windows: dict[int, int] | None = None, hma: bool = True) -> None:
+                 windows: dict[int, int] | None = None, hma: bool = True,
+                 scheduling: dict[str, Any] | None = None) -> None:
+        """`scheduling`: more `SchedulerConfig` fields (`max_num_seqs`, 16 by default, or
+        0.34's `max_num_inflight_kv_loads`)."""
         self.mla, self.tp, self.layout = mla, tp, KVCacheLayout[layout]
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         #: layer index -> sliding window: those layers are vLLM `SlidingWindowSpec` groups,
@@ -369,10 +372,12 @@ class Instance:
             model_config=copy.deepcopy(base),
             cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype,
                                      enable_prefix_caching=prefix_caching),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=max_batched_tokens, max_num_seqs=16,
-                max_model_len=8192, enable_chunked_prefill=True, is_encoder_decoder=False,
-                disable_hybrid_kv_cache_manager=None if hma else True),
+            scheduler_config=SchedulerConfig(**{
+                "max_num_batched_tokens": max_batched_tokens, "max_num_seqs": 16,
+                "max_model_len": 8192, "enable_chunked_prefill": True,
+                "is_encoder_decoder": False,
+                "disable_hybrid_kv_cache_manager": None if hma else True,
+                **(scheduling or {})}),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             kv_transfer_config=transfer if connector else None,
             device_config=DeviceConfig("cpu"))
@@ -443,13 +448,15 @@ class Instance:
     # -- requests ---------------------------------------------------------------------------
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 1,
-            cache_salt: str | None = None, **more: Any) -> Request:
-        """A request vLLM schedules from the next step; `more`: vLLM `Request` arguments
-        (`lora_request`, `prompt_embeds`, ...)."""
+            cache_salt: str | None = None, sampling: dict[str, Any] | None = None,
+            **more: Any) -> Request:
+        """A request vLLM schedules from the next step; `sampling`: more `SamplingParams`
+        (`prompt_logprobs`, ...); `more`: vLLM `Request` arguments (`lora_request`,
+        `prompt_embeds`, ...)."""
         request = Request(req_id, list(prompt),
                           SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                         temperature=0.0), None, cache_salt=cache_salt,
-                          block_hasher=self.block_hasher, **more)
+                                         temperature=0.0, **(sampling or {})), None,
+                          cache_salt=cache_salt, block_hasher=self.block_hasher, **more)
         self.scheduler.add_request(request)
         return request
 

@@ -955,7 +955,7 @@ def test_an_unproven_layout_turns_the_connector_off_and_inference_goes_on(
 
 def test_sleep_mode_leaves_the_caches_alone_until_restored(
         engines: Engines, redis_client: redis.Redis, key_prefix: str) -> None:
-    """vLLM 0.33's sleep calls `unregister_kv_caches` (as its GPU worker does) and
+    """vLLM's sleep (0.33 and 0.34) calls `unregister_kv_caches` (as its GPU worker does) and
     `restore_kv_caches` on wake-up. Asleep, a planned load is reported failed (vLLM
     recomputes) and nothing is stored; awake, loads and stores run again."""
     tokens = prompt(800, seed=42)
