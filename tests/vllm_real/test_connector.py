@@ -1,4 +1,5 @@
-"""LmcrConnector inside vLLM 0.33.0: its factory, its Scheduler, its worker plumbing (`rig`).
+"""LmcrConnector inside vLLM 0.33.0 and 0.34.0: the factory, the Scheduler, the worker
+plumbing (`rig`; on 0.34 the worker hooks are driven by vLLM's `ActiveKVConnector`).
 
 Every engine here is `rig.Instance`: vLLM's real scheduler and connector plumbing around a fake
 forward whose attention checks, at every layer of every step, that each scheduled request's
@@ -954,7 +955,7 @@ def test_an_unproven_layout_turns_the_connector_off_and_inference_goes_on(
 
 def test_sleep_mode_leaves_the_caches_alone_until_restored(
         engines: Engines, redis_client: redis.Redis, key_prefix: str) -> None:
-    """vLLM 0.33's sleep calls `unregister_kv_caches` (as its GPU worker does) and
+    """vLLM's sleep (0.33 and 0.34) calls `unregister_kv_caches` (as its GPU worker does) and
     `restore_kv_caches` on wake-up. Asleep, a planned load is reported failed (vLLM
     recomputes) and nothing is stored; awake, loads and stores run again."""
     tokens = prompt(800, seed=42)
@@ -997,9 +998,10 @@ def test_a_vllm_outside_the_tested_releases_warns(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING):
         adapter.check_version("0.33.0")
         adapter.check_version("0.32.1+cpu")
+        adapter.check_version("0.34.0")
     assert not caplog.records
     with caplog.at_level(logging.WARNING):
-        adapter.check_version("0.34.0")
+        adapter.check_version("0.35.0")
     assert "outside the releases" in caplog.text
 
 

@@ -1,6 +1,6 @@
-"""LmcrConnector on hybrid models inside vLLM 0.33.0's own scheduler (`rig`): the hybrid KV
-cache manager on (the connector is `SupportsHMA`), a sliding-window group beside a full one,
-and an all-sliding-window model (one `SlidingWindowSpec` group).
+"""LmcrConnector on hybrid models inside vLLM's own scheduler (0.33.0 and 0.34.0, `rig`): the
+hybrid KV cache manager on (the connector is `SupportsHMA`), a sliding-window group beside a
+full one, and an all-sliding-window model (one `SlidingWindowSpec` group).
 
 The rig's fake attention checks every step that each request's context is in the cache bit
 for bit: every token before it for the full layer, the window of the step's first token for

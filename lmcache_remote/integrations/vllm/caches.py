@@ -22,8 +22,8 @@ __all__ = ["cache_writer", "caches_from_forward_context"]
 def cache_writer(vllm_config: Any, name: str, kv_cache: torch.Tensor,
                   use_mla: bool) -> CacheWriter | None:
     """The attention backend's own write of per-token K/V into layer `name`'s cache, as the
-    layer's forward does it (`impl.do_kv_cache_update`, vLLM 0.32 and 0.33), fed values in
-    the model's dtype; None where the layer or its op is not found (the layout then stays
+    layer's forward does it (`impl.do_kv_cache_update`, the same in vLLM 0.32 to 0.34), fed
+    values in the model's dtype; None where the layer or its op is not found (the layout then stays
     unproven and the connector off)."""
     context = getattr(getattr(vllm_config, "compilation_config", None),
                       "static_forward_context", None) or {}

@@ -60,7 +60,7 @@ __all__ = ["SERVED_MAMBA_TYPES", "SERVED_SPECS", "SUPPORTED_VLLM", "check_versio
            "spec_geometry", "unserved_model", "warn_on_fail_policy"]
 
 #: The vLLM releases (major.minor) the connector is tested inside.
-SUPPORTED_VLLM = ("0.32", "0.33")
+SUPPORTED_VLLM = ("0.32", "0.33", "0.34")
 
 #: The KV cache specs whose groups the connector loads and stores, and their kind
 #: (`vllm_core.groups`): exact class names, so a subclass that keeps other blocks is not

@@ -1,16 +1,28 @@
 """`LmcrConnector`: lmcache-remote as a vLLM v1 KV connector, the hooks vLLM calls on it.
 
-It turns vLLM's objects into plain values for `vllm_core` and follows vLLM's hook order:
+It turns vLLM's objects into plain values for `vllm_core` and follows the hook order of vLLM
+0.32, 0.33 and 0.34:
 
 - scheduler: `get_num_new_matched_tokens` (repeated while a request waits: one Redis round
   trip each) -> `update_state_after_alloc` -> `build_connector_meta` every step;
-  `request_finished` once per request.
-- worker, every step (`KVConnectorModelRunnerMixin`): `bind_connector_metadata` (the plans
-  are taken here) -> `start_load_kv` before the forward when the step has a synchronous load,
-  after it otherwise -> per attention layer (`maybe_transfer_kv_layer`) `wait_for_layer_load`
-  before it and `save_kv_layer` after it -> `wait_for_save` -> `get_finished` ->
-  `get_block_ids_with_load_errors` -> `clear_connector_metadata`. A step with no forward
-  (`kv_connector_no_forward`) runs the same hooks without the per-layer ones.
+  `request_finished` once per request; `may_load_async` (vLLM 0.34, with
+  `--max-num-inflight-kv-loads`) when a request enters the waiting queues.
+- worker, every step (0.32 and 0.33: the model runner's `KVConnectorModelRunnerMixin`, or
+  Model Runner V2's `ActiveKVConnector`; 0.34: `ActiveKVConnector` always, Model Runner V1 is
+  gone): `handle_preemptions` -> `bind_connector_metadata` (the plans are taken here) ->
+  `start_load_kv` before the forward when the step has a synchronous load, after it
+  otherwise -> per attention layer (`maybe_transfer_kv_layer`) `wait_for_layer_load` before
+  it and `save_kv_layer` after it -> `wait_for_save` -> `get_finished` /
+  `get_transfer_results` -> `get_block_ids_with_load_errors` -> `clear_connector_metadata`.
+  A step with no forward runs the same hooks without the per-layer ones.
+
+A preempted request comes back either as a cached request flagged resumed (vLLM 0.32 and
+0.33's Model Runner V1: `resumed_req_ids`) or, in vLLM 0.34 (and Model Runner V2 before it),
+as a new request with its whole block table and its computed tokens: the scheduler side
+knows it by its id and plans it from that table either way. Requests vLLM reads no external
+KV for (`Request.skip_reading_external_kv` in 0.34, `skip_reading_prefix_cache` before:
+prompt logprobs, prompt scoring) are not looked up and are promised nothing; their prompt is
+still stored.
 
 The geometry (layers, heads, head size, MLA, the values' dtype) comes from the KV cache spec on
 both sides, so the scheduler's keys are the workers'. A hit of at least
@@ -31,9 +43,13 @@ backend's own write op (`do_kv_cache_update` of each layer's `impl`) on scratch 
 layout (the CPU backend's tiled blocks are read through the op's map). A layout the op does
 not confirm turns the connector off on that rank (ERROR once): it stores and loads nothing,
 reports every planned load failed (vLLM recomputes), and tells the scheduler through the
-worker metadata of the next step, which then stops claiming hits. Sleep mode (vLLM 0.33):
-`unregister_kv_caches` finishes every transfer and nothing touches the caches until
-`restore_kv_caches`; loads planned meanwhile are reported failed.
+worker metadata of the next step, which then stops claiming hits. `unregister_kv_caches`
+(vLLM 0.33's sleep; 0.34's sleep, `release_kv_cache_memory`, `discard` of the KV cache and
+layer-wise weight updates) finishes every transfer and nothing touches the caches until
+`restore_kv_caches` (the same tensors, at the same addresses, zeroed in 0.34); loads planned
+meanwhile are reported failed (vLLM recomputes). On CUDA, vLLM 0.34's extensible KV cache
+builds the worker-side connector after warm-up and registers views of the committed blocks
+only: what is registered is what is proven and served.
 
 While layer-wise transfer is on (the default), `requires_piecewise_for_cudagraph` asks vLLM
 for piecewise CUDA graphs: under full graphs the per-layer hooks would be skipped.
@@ -252,12 +268,16 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
                            float(getattr(connector_metadata, "step_work", 0.0))))
 
     def unregister_kv_caches(self) -> None:
-        """vLLM 0.33's sleep: every transfer is finished and nothing touches the caches until
-        `restore_kv_caches`."""
+        """The KV cache's memory is about to go (vLLM 0.33 and 0.34's sleep; in 0.34 also
+        `release_kv_cache_memory`, `Worker.discard(("kv_cache",))` and layer-wise weight
+        updates): every transfer is finished and nothing touches the caches until
+        `restore_kv_caches`. Idempotent."""
         if self._passthrough is None:
             self._worker_side().suspend()
 
     def restore_kv_caches(self) -> None:
+        """The registered caches are back (the same tensors; vLLM 0.34 hands them back
+        zeroed): loads and stores run again from the next step."""
         if self._passthrough is None:
             self._worker_side().resume()
 
@@ -394,10 +414,26 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("lmcache-remote: request %s: %s; served without retention",
                            request.request_id, exc)
         n = side.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens,
-                                        identity)
+                                        identity, read=not _skips_external_kv(request))
         if n is None:
             return None, False  # the lookup is still running: vLLM asks again later
         return n, side.loads_async(n, request.request_id)
+
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34, with `--max-num-inflight-kv-loads`: whether `get_num_new_matched_tokens`
+        may answer `load_kv_async=True` for this request, so that vLLM queues it where its
+        load can start while the running batch is full. Asked when the request enters the
+        waiting queues, so no lookup: true when the longest hit its prompt could have (whole
+        chunks short of its last token) would load in the background (`SchedulerSide.
+        may_load_async`: every load of a model of several KV cache groups, a hit of at least
+        `async_load_min_tokens` otherwise). A probe of a declined link also loads in the
+        background but is not foreseen here (vLLM still counts it against the cap)."""
+        if self._passthrough is not None or self._scheduler is None:
+            return False
+        if _skips_external_kv(request):
+            return False
+        return self._scheduler.may_load_async(
+            request.request_id, int(getattr(request, "num_prompt_tokens", 0) or 0))
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -443,7 +479,12 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         served by this engine again, the weights may have changed. Redis is the fleet's, so
         nothing is deleted: the engine moves to a namespace of its own, `{namespace}+{8 random
         hex digits}`, the scheduler's lookups at once, the workers with the next step's
-        metadata. Logged at INFO. The worker side is never asked (None)."""
+        metadata. Logged at INFO. The worker side is never asked (None). It does not delete
+        or unpin anything in Redis, nor empty the workers' local tiers (their keys carry the
+        old namespace, so nothing there is read again), nor touch vLLM's own prefix cache.
+        vLLM 0.34's `sleep`, `pause_generation` and `release_kv_cache_memory` with
+        `reset_connector=False` do not call it: the engine keeps its namespace (the caller
+        says the weights did not change)."""
         if self._lookup is None:
             return None
         self._namespace = f"{self._base_namespace}+{secrets.token_hex(4)}"
@@ -508,6 +549,16 @@ class LmcrConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             raise RuntimeError("scheduler hook called on the worker-side connector")
         return self._scheduler
+
+
+def _skips_external_kv(request: Any) -> bool:
+    """Whether vLLM discards a connector hit for this request (prompt logprobs, prompt
+    scoring, `skip_reading_prefix_cache`): 0.34's `skip_reading_external_kv`, the request's
+    `skip_reading_prefix_cache` before."""
+    skips = getattr(request, "skip_reading_external_kv", None)
+    if skips is None:
+        skips = getattr(request, "skip_reading_prefix_cache", False)
+    return bool(skips)
 
 
 def _step_work(scheduler_output: Any) -> tuple[int, float]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-try:  # vLLM 0.32 and 0.33 have it; the connector works without it (no scheduler notice)
+try:  # vLLM 0.32 to 0.34 have it; the connector works without it (no scheduler notice)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 except ImportError:  # pragma: no cover - older releases
     KVConnectorWorkerMetadata = object

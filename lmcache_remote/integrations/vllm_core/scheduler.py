@@ -13,13 +13,17 @@ Scheduler side (`SchedulerSide`, one per vLLM engine, in the scheduler process):
 - `build(new, cached, num_scheduled, finished)`: the step's `RequestPlan`s: per request the
   tokens, their slots, what to load (whole chunks from the last chunk boundary at or before
   `num_computed`) and what to store (the prompt's chunks completed by this step and not yet
-  stored or known to be stored). Only prompt tokens are stored, never decode tokens. A
-  request that vLLM rolled back (`num_computed` below what was counted as stored: a short
-  load being recomputed) has its chunks from there on stored again.
+  stored or known to be stored). A preempted request comes back either as a `CachedRequest`
+  flagged `resumed` (vLLM 0.32 and 0.33's Model Runner V1) or as a `NewRequest` with its
+  whole block table (vLLM 0.34): a known request is planned from that table either way.
+  Only prompt tokens are stored, never decode tokens. A request that vLLM rolled back
+  (`num_computed` below what was counted as stored: a short load being recomputed) has its
+  chunks from there on stored again.
 - `loads_async(n)`: whether a hit of `n` tokens is offered as an asynchronous load
-  (`async_load_min_tokens`); such a load is planned from the blocks given to `after_alloc`,
-  in the next `build`, while vLLM keeps the request waiting. With `lookup_wait_s` lookups run
-  on a thread (`BackgroundLookup`) and answer None while still running.
+  (`async_load_min_tokens`; `may_load_async`: whether a request could get one, before any
+  lookup); such a load is planned from the blocks given to `after_alloc`, in the next
+  `build`, while vLLM keeps the request waiting. With `lookup_wait_s` lookups run on a
+  thread (`BackgroundLookup`) and answer None while still running.
 - `finish(req_id)`: forget the request; True (with `async_save`) when vLLM must keep its
   blocks until the workers report its background stores done.
 - What it claims is decided (`engine.decision.LoadDecision`, once per request and hit): the
@@ -155,10 +159,17 @@ class SchedulerSide:
             self._retain[req_id] = seconds
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
-                               identity: RequestIdentity | None = None) -> int | None:
+                               identity: RequestIdentity | None = None, *,
+                               read: bool = True) -> int | None:
         """The hit to claim; None (with `lookup_wait_s`) while the lookup is still running.
-        `identity`: what names the request's chunks beside its tokens (None: a text request)."""
+        `identity`: what names the request's chunks beside its tokens (None: a text request).
+        `read=False`: vLLM reads no external KV for this request (prompt logprobs): no lookup,
+        0, nothing left to promise; its prompt is still stored."""
         self._identities[req_id] = identity
+        if not read:
+            self._hits.pop(req_id, None)
+            self._verdicts.pop(req_id, None)
+            return 0
         if not self.can_load or len(prompt) < 2:
             return 0
         if self._failures.get(req_id, 0) >= MAX_LOAD_FAILURES:
@@ -227,6 +238,21 @@ class SchedulerSide:
             return num_tokens > 0
         limit = self.async_load_min_tokens
         return limit is not None and num_tokens >= limit
+
+    def may_load_async(self, req_id: str, num_prompt_tokens: int) -> bool:
+        """Whether a request with a prompt this long could be answered with a background load
+        (`loads_async`), without a lookup: its longest possible hit (whole chunks short of
+        its last token) is. False when it cannot load at all (loads off, or its load failed
+        `MAX_LOAD_FAILURES` times). A probe is not foreseen."""
+        if not self.can_load or self._failures.get(req_id, 0) >= MAX_LOAD_FAILURES:
+            return False
+        longest = (num_prompt_tokens - 1) // self.chunk_size * self.chunk_size
+        if longest <= 0:
+            return False
+        if self.groups is not None:
+            return True
+        limit = self.async_load_min_tokens
+        return limit is not None and longest >= limit
 
     def load_failed(self, req_ids: Iterable[str]) -> None:
         """These requests' loads failed (vLLM recomputes them; each request once per call):

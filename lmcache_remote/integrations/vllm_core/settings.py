@@ -142,8 +142,8 @@ def layer_view(tensor: torch.Tensor, *, use_mla: bool,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, str]:
     """One registered layer as PagedKV addresses it, and its layout name; views only, no copy.
 
-    vLLM 0.33 hands every layer as a logical `[blocks, heads, block_size, C]` view of its
-    allocation, whatever the physical layout (`KVCacheLayout`: LBNHC, LBHNC, LHBNC, BLNHC,
+    vLLM 0.33 and 0.34 hand every layer as a logical `[blocks, heads, block_size, C]` view of
+    its allocation, whatever the physical layout (`KVCacheLayout`: LBNHC, LBHNC, LHBNC, BLNHC,
     BLHNC, BHLNC permute the strides, not the shape): `C` is K then V (`packed`), or, for MLA,
     `heads == 1` and `C` the latent (`mla`, seen as `[blocks, block_size, C]`). Whether a layer
     is MLA comes from the KV cache spec (`use_mla`): the shapes alone cannot tell. Older

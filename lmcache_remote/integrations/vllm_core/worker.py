@@ -4,12 +4,13 @@ Worker side (`WorkerSide`, one per rank, in the worker process):
 
 - `register(kv_caches, use_mla=, dtype=, block_size=)`: the per-layer paged caches, in layer
   order, with what the KV cache spec says (MLA or not, the values' dtype, the scheduler's
-  block size); the layout (`layer_view`: vLLM 0.33's `[blocks, heads, block_size, K|V]`
-  views in any physical layout, MLA's `[blocks, 1, block_size, latent]`, and older shapes)
-  and the geometry come from them; opens the rank's `CacheEngine`.
+  block size); the layout (`layer_view`: the `[blocks, heads, block_size, K|V]` views of
+  vLLM 0.33 and 0.34 in any physical layout, MLA's `[blocks, 1, block_size, latent]`, and
+  older shapes) and the geometry come from them; opens the rank's `CacheEngine`.
 - `begin_step(plans)`: the step's plans, taken when vLLM binds the metadata, before the
-  forward: vLLM 0.33 calls `start_load_kv` after the forward in steps without a synchronous
-  load, and the stores of those steps must still run layer by layer inside the forward.
+  forward: vLLM 0.33 and 0.34 call `start_load_kv` after the forward in steps without a
+  synchronous load, and the stores of those steps must still run layer by layer inside the
+  forward.
 - `start_load()`: loads every planned hit (once per step): whole (`retrieve`) or, layer-wise,
   fetches the chunks now and leaves one `retrieve_layer` generator per request.
 - `wait_for_layer(name)`: layer-wise: writes that layer (and any earlier one not yet written)
