@@ -176,12 +176,29 @@ def test_a_request_vllm_reads_no_external_kv_for_is_promised_nothing_and_stored(
 ])
 def test_may_load_async_says_whether_a_request_could_load_in_the_background(
         async_min: int | None, prompt_len: int, can_load: bool, expected: bool) -> None:
-    s = side(0, async_load_min_tokens=async_min, can_load=can_load)
+    s = side(prompt_len, async_load_min_tokens=async_min, can_load=can_load)
     assert s.may_load_async("r", prompt_len) is expected
     if expected:  # a request whose load failed twice is not promised one again
-        s.load_failed(["r"])
-        s.load_failed(["r"])
+        for _ in range(2):
+            assert s.num_new_matched_tokens("r", list(range(prompt_len)), 0)
+            s.load_failed(["r"])
         assert s.may_load_async("r", prompt_len) is False
+
+
+def test_a_failed_load_reported_in_two_steps_counts_once() -> None:
+    """The workers report a background load failed in one step and vLLM's failed request
+    comes in a later one (or each rank's in its own step): one failure, until the request is
+    promised a hit again."""
+    s = side(1024)
+    prompt = list(range(1100))
+    assert s.num_new_matched_tokens("r", prompt, 0) == 1024
+    s.worker_report({"r"}, False, None, None)
+    s.load_failed({"r"})  # vLLM's failed_recving, a step later
+    assert s.metrics.get("vllm.failed_load_requests") == 1
+    assert s.num_new_matched_tokens("r", prompt, 0) == 1024  # promised again: a new load
+    s.load_failed({"r"})
+    assert s.metrics.get("vllm.failed_load_requests") == 2
+    assert s.num_new_matched_tokens("r", prompt, 0) == 0
 
 
 def test_slot_mapping_and_layouts() -> None:

@@ -102,7 +102,7 @@ def chunk_write_commands(keys: Sequence[str], values: Sequence[Any], ttl_ms: int
     expiry is ``MULTI``, the `chunk_write_command` ``MSET``, a ``PEXPIRE`` per key, ``EXEC``:
     one transaction, so that no value is ever left without its expiry, as fast as a plain
     ``MSET`` (the ``EVAL`` form copies every value into the script's arguments and wrote 32 MiB
-    chunks at a quarter of the ``MSET``'s speed, docs/benchmarks.md). Every other chunk is
+    chunks at 0.32x the ``MSET``'s speed, docs/benchmarks.md). Every other chunk is
     the one `chunk_write_command`. A cluster's tier keeps the single command (its scatter
     routes each command by its key; ``MULTI`` has none)."""
     if ttl_ms is None or len(keys) == 1:

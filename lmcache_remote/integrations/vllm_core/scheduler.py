@@ -123,6 +123,11 @@ class SchedulerSide:
         #: every load in the background; None: one full-attention group, as always
         self.groups = None if groups is None or plain(groups) else list(groups)
         self._failures: dict[str, int] = {}  # request -> background loads that failed
+        #: requests whose current load was already counted failed: the workers' report and
+        #: vLLM's failed request come in different steps (a background load ends on each rank
+        #: in its own time); vLLM learns of the failure by the last of them, so a new promise
+        #: comes after all of them
+        self._failure_noted: set[str] = set()
         self._background = (BackgroundLookup(lookup, lookup_wait_s)
                             if lookup_wait_s is not None else None)
         self.async_save = async_save
@@ -190,6 +195,8 @@ class SchedulerSide:
         end = self._decide(req_id, num_computed, end)
         self._hits[req_id] = (num_computed, end)
         self._prompts[req_id] = list(prompt)
+        if end > num_computed:
+            self._failure_noted.discard(req_id)  # a new promise: its failure counts anew
         return max(0, end - num_computed)
 
     def _decide(self, req_id: str, num_computed: int, end: int) -> int:
@@ -255,13 +262,14 @@ class SchedulerSide:
         return limit is not None and longest >= limit
 
     def load_failed(self, req_ids: Iterable[str]) -> None:
-        """These requests' loads failed (vLLM recomputes them; each request once per call):
-        a request whose load failed `MAX_LOAD_FAILURES` times is not promised a hit again,
-        and its next ask is decided anew."""
+        """These requests' loads failed (vLLM recomputes them): a request whose load failed
+        `MAX_LOAD_FAILURES` times is not promised a hit again, and its next ask is decided
+        anew. A load counts once however many ranks report it, in whichever steps."""
         failed = set(req_ids)
         if failed and self.decision is not None:
             self.decision.load_ended()
-        for req_id in failed:
+        for req_id in failed - self._failure_noted:
+            self._failure_noted.add(req_id)
             self._verdicts.pop(req_id, None)
             self._failures[req_id] = self._failures.get(req_id, 0) + 1
             self.metrics.inc("vllm.failed_load_requests")
@@ -406,6 +414,7 @@ class SchedulerSide:
         self._unnamed.discard(req_id)
         self._trackers.pop(req_id, None)
         self._failures.pop(req_id, None)
+        self._failure_noted.discard(req_id)
         self._verdicts.pop(req_id, None)
         return delay
 
