@@ -8,8 +8,10 @@
   ``places`` (page i's bytes where they lie, in pieces) and the raw codec without an
   `integrity_key`, each value is sent from there instead (`Serde.raw_header` over the
   pieces' checksums): no staging, no copy.
-- Each page is written by one atomic command (`chunk_write_command`); with an
-  `integrity_key` its value carries a MAC bound to the page key without its prefix.
+- Each page is written in one atomic step, as a chunk is (`redis_commands.write_batch`: a
+  multi-part page with an expiry is a transaction on a single server, a script on a
+  cluster); with an `integrity_key` its value carries a MAC bound to the page key without
+  its prefix.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ from lmcache_remote.storage.page_base import (
     cut_pieces,
     xxh3_of,
 )
-from lmcache_remote.storage.redis_commands import chunk_write_command, value_nbytes
+from lmcache_remote.storage.redis_commands import (
+    check_transactions,
+    chunk_write_command,
+    value_nbytes,
+    write_batch,
+)
 from lmcache_remote.storage.value_checks import signer_for
 from lmcache_remote.values.value_format import header_nbytes, header_seal
 
@@ -73,29 +80,40 @@ class PageWrites(PageStoreBase):
             return False
         return True
 
+    def _write_pages(self, batch: Sequence[tuple[list[str], list[Any]]],
+                     seals: Sequence[Seal | None] | None) -> None:
+        """One window of pages, each whole or absent: on a single server through the bulk
+        wire, a multi-part page with an expiry as a transaction (`write_batch`, as chunks);
+        on a cluster one `chunk_write_command` each, routed by its key."""
+        if self.wire is None or self.scatter is not None:
+            self._run([chunk_write_command(keys, values, self._ttl_ms)
+                       for keys, values in batch], seals)
+            return
+        commands, command_seals, execs = write_batch(batch, seals, self._ttl_ms)
+        check_transactions(self._run(commands, command_seals), execs)
+
     def _send_in_place(self, keys: Sequence[PageKey], window: range,
                        places: PagePlaces) -> None:
         """One window of pages sent from the caller's memory: each part the pieces of it that
         the part plan cuts, checksummed there, behind a header `Serde.raw_header` builds."""
         size = self.serde.part_size_for(self.page_nbytes)
         bounds = [(p * size, min(self.page_nbytes, (p + 1) * size)) for p in range(self.nparts)]
-        commands: list[tuple[Any, ...]] = []
+        batch: list[tuple[list[str], list[Any]]] = []
         for i in window:
             pieces = [cut_pieces(places(i), a, b) for a, b in bounds]
             header = self.serde.raw_header(
                 self.page_shape, self.dtype, keys[i].hash_bytes, self.page_tokens, size,
                 [(b - a, xxh3_of(part)) for (a, b), part in zip(bounds, pieces, strict=True)])
             values: list[Any] = [(header, *pieces[0]), *(tuple(part) for part in pieces[1:])]
-            commands.append(chunk_write_command(keys[i].part_keys(self.prefix, self.nparts),
-                                                values, self._ttl_ms))
-        self._run(commands)
+            batch.append((keys[i].part_keys(self.prefix, self.nparts), values))
+        self._write_pages(batch, None)
         self.metrics.inc("pages.written", len(window))
         self.metrics.inc("pages.written_bytes",
                          len(window) * (self.page_nbytes + header_nbytes(self.nparts)))
 
     def _send_window(self, keys: Sequence[PageKey], window: range,
                      staging: Sequence[torch.Tensor], fill: PageCopy) -> None:
-        commands: list[tuple[Any, ...]] = []
+        batch: list[tuple[list[str], list[Any]]] = []
         seals: list[Seal | None] = []
         nbytes = 0
         for slot, i in enumerate(window):
@@ -115,9 +133,8 @@ class PageWrites(PageStoreBase):
             else:
                 values = list(self.serde.encode(staging[slot], keys[i].hash_bytes,
                                                 self.page_tokens, signer=signer))
-            keys_i = keys[i].part_keys(self.prefix, len(values))
-            commands.append(chunk_write_command(keys_i, values, self._ttl_ms))
+            batch.append((keys[i].part_keys(self.prefix, len(values)), values))
             nbytes += sum(value_nbytes(v) for v in values)
-        self._run(commands, seals if self.wire is not None else None)
+        self._write_pages(batch, seals if self.wire is not None else None)
         self.metrics.inc("pages.written", len(window))
         self.metrics.inc("pages.written_bytes", nbytes)

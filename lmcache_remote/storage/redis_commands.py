@@ -111,6 +111,33 @@ def chunk_write_commands(keys: Sequence[str], values: Sequence[Any], ttl_ms: int
              *(("PEXPIRE", key, ttl_ms) for key in keys), ("EXEC",)], 1)
 
 
+def write_batch(batch: Sequence[tuple[Sequence[str], Sequence[Any]]],
+                seals: Sequence[Any] | None, ttl_ms: int | None
+                ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[int]]:
+    """The commands of a single server's write of several chunks (or pages), each written by
+    `chunk_write_commands`; each chunk's seal moved to the command that carries its values;
+    and the index of every EXEC, whose reply `check_transactions` checks."""
+    commands: list[tuple[Any, ...]] = []
+    command_seals: list[Any] = []
+    execs: list[int] = []
+    for i, (keys, values) in enumerate(batch):
+        chunk_commands, sealed = chunk_write_commands(keys, values, ttl_ms)
+        if len(chunk_commands) > 1:
+            execs.append(len(commands) + len(chunk_commands) - 1)
+        command_seals.extend(seals[i] if seals is not None and j == sealed else None
+                             for j in range(len(chunk_commands)))
+        commands.extend(chunk_commands)
+    return commands, command_seals if seals is not None else None, execs
+
+
+def check_transactions(replies: Sequence[Any], execs: Sequence[int]) -> None:
+    """Raises `BackendError` when a chunk's transaction failed (its EXEC's reply)."""
+    for index in execs:
+        failure = transaction_failure(replies[index])
+        if failure is not None:
+            raise BackendError(f"a chunk's write failed inside its transaction: {failure}")
+
+
 def transaction_failure(reply: Any) -> BaseException | None:
     """The error an ``EXEC`` reply holds (an aborted transaction is None or an error; a
     command that failed inside it an error element), else None."""

@@ -29,9 +29,9 @@ from lmcache_remote.storage.memory import MemoryObj
 from lmcache_remote.storage.redis_commands import (
     ByteBudget,
     byte_windows,
-    chunk_write_commands,
-    transaction_failure,
+    check_transactions,
     value_nbytes,
+    write_batch,
 )
 from lmcache_remote.storage.remote_lookup import RemoteLookup
 from lmcache_remote.storage.value_checks import signer_for
@@ -141,22 +141,9 @@ class RemoteWrites(RemoteLookup, StorageTier):
         """Write one window of chunks; per chunk, whether it landed (here all or none: a
         failure raises). ``seals``: per chunk, the checksums the wire fills in as it sends."""
         wire = self._bulk()
-        commands: list[tuple[Any, ...]] = []
-        command_seals: list[Seal | None] = []
-        execs: list[int] = []  # the EXEC of each chunk written as a transaction
-        for i, (keys, values) in enumerate(batch):
-            chunk_commands, sealed = chunk_write_commands(keys, values, self._ttl_ms)
-            if len(chunk_commands) > 1:
-                execs.append(len(commands) + len(chunk_commands) - 1)
-            command_seals.extend(seals[i] if seals is not None and j == sealed else None
-                                 for j in range(len(chunk_commands)))
-            commands.extend(chunk_commands)
-        replies = self.caller.call(lambda: wire.execute(
-            commands, seals=command_seals if seals is not None else None))
-        for index in execs:
-            failure = transaction_failure(replies[index])
-            if failure is not None:
-                raise BackendError(f"a chunk's write failed inside its transaction: {failure}")
+        commands, command_seals, execs = write_batch(batch, seals, self._ttl_ms)
+        replies = self.caller.call(lambda: wire.execute(commands, seals=command_seals))
+        check_transactions(replies, execs)
         nbytes = sum(value_nbytes(v) for _, values in batch for v in values)
         self.metrics.inc("remote.written_chunks", len(batch))
         self.metrics.inc("remote.written_bytes", nbytes)
