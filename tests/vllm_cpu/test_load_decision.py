@@ -25,6 +25,7 @@ round trip is long because of distance rather than a proxy's pause.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from servers import RedisServer
 from throttle import Throttle
 
 from lmcache_remote.admin.fleet import fleet_stats
+from lmcache_remote.engine.decision import MIN_LOAD_BUDGET
 from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
 from lmcache_remote.naming.keys import scan_pattern, split_part_key
 
@@ -47,6 +49,13 @@ SLOW = 512 * 1024  # 0.5 MiB/s: a chunk (1 MiB) in 2 s, more than computing the 
 CHUNK = 256
 ANSWER_S = 120.0  # a request that takes longer never finishes
 RECOVERED = "Recovered from KV load failure"
+#: The reader's figure after loads that ran into their deadlines: a read of the prefix's 8 MiB
+#: that timed out says the link moves at most half the rate it needed, and no deadline is
+#: under `MIN_LOAD_BUDGET` (a probe's chunk, 1 MiB in at least 0.1 s, bounds it lower still).
+#: The deadlines scale with this machine's prefill speed, so the bound, not the link's real
+#: 0.5 MiB/s, is what holds on every machine.
+STALLED_BOUND = 8 * 1024 * 1024 / MIN_LOAD_BUDGET / 2
+_SALTS = itertools.count()
 
 
 def prompts(seed: int) -> tuple[list[int], list[int]]:
@@ -76,7 +85,8 @@ def proxy(server: RedisServer) -> Iterator[Throttle]:
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, server: RedisServer, proxy: Throttle,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    fleet = Fleet(model_dir, server.url, tmp_path_factory.mktemp("decision"))
+    fleet = Fleet(model_dir, server.url, tmp_path_factory.mktemp("decision"),
+                  {"in_process": False})  # vLLM's processes: the scheduler's view apart
     fleet.engine("reference", connector=False, prefix_caching=True, block_size=64)
     fleet.engine("writer", connector={"store_async": False})  # stored when it answers
     fleet.engine("reader", connector={"remote_url": proxy.url, "load_probe_interval": 2.0,
@@ -120,13 +130,14 @@ def check(engines: Fleet, seed: int, out: dict[str, Any]) -> None:
     computed within the writer's prompt as the writer computed it (on this backend KV
     computed within a prompt of another length differs in its last bits); with nothing
     loaded (0 cached, or a load that failed whole and was recomputed), the full prefill.
-    Each under a salt of its own, which keeps the reference off every other prefix hit
+    Each under a salt of its own (one per check: a prompt checked twice with the same answer
+    is computed twice), which keeps the reference off every other prefix hit
     without changing the computation. A partial hit (a probe's one chunk, the chunks before
     a damaged one) has no such reference: vLLM's prefix cache cannot hold the writer's KV
     of exactly those chunks; callers do not check those."""
     mine, theirs = prompts(seed)
     reference = engines.engine("reference")
-    salt = f"seed-{seed}-{out['cached']}-{out['recoveries']}"
+    salt = f"seed-{seed}-{next(_SALTS)}"  # a reference computed once per check
     if out["cached"] == SHARED and out["recoveries"] == 0:
         reference.generate(mine, cache_salt=salt)
         want = reference.generate(theirs, cache_salt=salt)
@@ -195,7 +206,7 @@ def test_throttled_link_is_declined(engines: Fleet, reader: Reader, proxy: Throt
         check(engines, seed, out)
     view = until(lambda: (lambda v: v if v["declined_tokens"] >= SHARED else None)(
         fleet_view(server, engines)), lambda: reader.generate(prompt(80, 301)), 20)
-    assert view["link_bytes_per_s"] < 4 * 1024 * 1024
+    assert view["link_bytes_per_s"] < STALLED_BOUND
 
 
 def test_recovered_link_is_used_again(engines: Fleet, reader: Reader,
