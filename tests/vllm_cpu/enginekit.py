@@ -146,7 +146,10 @@ class Fleet:
         """The engine `name`, started with `spec` the first time. With a connector (`True` or
         its extra config): the module's Redis and key prefix, no local tier (every hit crosses
         Redis), the default model namespace (the folder's name, `MODEL_NAME`, and the
-        fingerprint of its weights, the one the transformers integration makes of them too)."""
+        fingerprint of its weights, the one the transformers integration makes of them too).
+        The engine runs in one process (`in_process`, see engine_proc.py) unless the fleet's
+        defaults or `spec` say `in_process=False`: vLLM's process layout, where a case is
+        about what crosses it."""
         if name not in self._engines:
             extra = None
             if connector is not False:
@@ -154,7 +157,8 @@ class Fleet:
                          "local_cpu": False,
                          **(connector if isinstance(connector, dict) else {})}
             self._engines[name] = Engine({"model": str(self.model_dir), "connector": extra,
-                                          **self.defaults, **spec}, self.logs / f"{name}.log")
+                                          "in_process": True, **self.defaults, **spec},
+                                         self.logs / f"{name}.log")
         return self._engines[name]
 
     def close(self, name: str | None = None) -> None:
