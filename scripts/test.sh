@@ -22,11 +22,12 @@
 #                  connector plumbing on the CPU torch (tests/vllm_real/), without the CUDA
 #                  build of torch it pins;
 #   sglang         sglang==0.5.23 on the torch 2.13.0 CPU wheel (ensure_sglang_env).
-# Stages: ruff, mypy, pytest (this script's arguments go to it), the storage and engine tests
-# again with redis-py 5.0.8, tests/vllm_real once per vLLM release, tests/vllm_cpu,
-# tests/sglang_hicache (each side run takes only --collect-only / --co of the arguments;
-# LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and LMCR_SGLANG_PYTEST_ARGS replace their
-# arguments, default "-q -p no:cacheprovider"). LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and
+# Stages: tests/vllm_cpu in the background beside all but the last; ruff, mypy, pytest (this
+# script's arguments go to it), the storage and engine tests again with redis-py 5.0.8,
+# tests/vllm_real once per vLLM release, tests/sglang_hicache; last, alone, the soak
+# (tests/test_soak.py, out of the main suite when that runs whole). Each side run takes only
+# --collect-only / --co of the arguments; LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and LMCR_SGLANG_PYTEST_ARGS replace their
+# arguments, default "-q -p no:cacheprovider". LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and
 # LMCR_SKIP_SGLANG=1 SGLang's, each saying so in the table.
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free
 # loopback ports (or use LMCR_TEST_REDIS_URL); see docs/testing.md.
@@ -71,6 +72,50 @@ stage() {
     _record "$name" "$result" $((SECONDS - start))
 }
 
+# [HINT=...] stage_begin NAME NEEDS FUNCTION [ARGS...]: `stage`, but in the background, its
+#   output kept in a file until `stage_end NAME` waits for it, prints it in a section of its own
+#   and records the outcome. One such stage runs beside the foreground ones (this machine's
+#   stages mostly wait: on servers, on pauses, on one engine's OpenMP thread).
+declare -A BG_PID=() BG_LOG=() BG_START=() BG_HINT=()
+stage_begin() {
+    local name="$1" needs="$2"; shift 2
+    local need
+    local -a wanted=()
+    IFS=, read -ra wanted <<<"$needs"
+    for need in "${wanted[@]}"; do
+        if [ "${OUTCOME[$need]:-}" != "passed" ]; then
+            section "$name"
+            echo "NOT RUN: $need did not pass"
+            _record "$name" "not run (${need}: ${OUTCOME[$need]:-missing})" 0
+            FAILED=1
+            return
+        fi
+    done
+    BG_LOG[$name]="$(mktemp)"
+    BG_START[$name]=$SECONDS
+    BG_HINT[$name]="${HINT:-}"
+    ( set -e; shopt -s inherit_errexit; "$@" ) >"${BG_LOG[$name]}" 2>&1 &
+    BG_PID[$name]=$!
+    printf '\n(started in the background: %s; its output follows when it ends)\n' "$name"
+}
+
+stage_end() {
+    local name="$1" result rc
+    [ -n "${BG_PID[$name]:-}" ] || return 0
+    wait "${BG_PID[$name]}"
+    rc=$?
+    local seconds=$((SECONDS - BG_START[$name]))
+    section "$name (in the background)"
+    cat "${BG_LOG[$name]}"
+    rm -f "${BG_LOG[$name]}"
+    if [ "$rc" -eq 0 ]; then result="passed"; else result="failed (exit $rc)"; FAILED=1; fi
+    if [ "$rc" -ne 0 ] && [ -n "${BG_HINT[$name]}" ]; then
+        echo "WHAT TO DO: ${BG_HINT[$name]}"
+    fi
+    echo "-- $name: $result in $seconds s"
+    _record "$name (in the background)" "$result" "$seconds"
+}
+
 skipped() {
     section "$1"
     echo "SKIPPED: $2"
@@ -88,6 +133,13 @@ _record() {
 COLLECT=()
 for arg in "$@"; do
     if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then COLLECT+=("$arg"); fi
+done
+# The soak (tests/test_soak.py: paced engines judged on what they retrieved) runs last, alone,
+# when the main suite runs whole (no test path or expression among the arguments): the other
+# stages share the machine with the vllm-cpu stage.
+SOAK_APART=1
+for arg in "$@"; do
+    case "$arg" in -*) ;; *) SOAK_APART=0 ;; esac
 done
 SKIP_VLLM="${LMCR_SKIP_VLLM:-0}"
 SKIP_SGLANG="${LMCR_SKIP_SGLANG:-0}"
@@ -164,6 +216,11 @@ setup_sglang() {
 run_ruff() { "$PY" -m ruff check lmcache_remote cli tests benchmarks soak; }
 run_mypy() { "$PY" -m mypy lmcache_remote cli soak; }
 run_pytest() { "$PY" -m pytest "$@"; }
+run_main_suite() {
+    if [ "$SOAK_APART" = "1" ]; then run_pytest "$@" --ignore=tests/test_soak.py
+    else run_pytest "$@"; fi
+}
+run_soak() { run_pytest "$@" tests/test_soak.py; }
 
 # The storage, engine and admin-library tests again with redis-py 5.0.8 (the checkout on the
 # path; the CLI's tests, which need the installed console package, are not among them).
@@ -223,29 +280,38 @@ else
     HINT="$SKIPPABLE_HINT" stage "$SETUP_SGLANG" "" setup_sglang
 fi
 
+# The vllm-cpu stage, the longest, runs in the background from here on, beside the others
+# (its engines each hold one OpenMP thread on core 0); the soak runs after it, alone.
+VLLM_CPU_STAGE="vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)"
+if [ "$SKIP_VLLM" = "1" ]; then
+    skipped "$VLLM_CPU_STAGE" "LMCR_SKIP_VLLM=1"
+else
+    stage_begin "$VLLM_CPU_STAGE" "$SETUP_REDIS,$SETUP_VLLM_CPU" run_vllm_cpu
+fi
 stage "ruff" "$SETUP_VENV" run_ruff
 stage "mypy" "$SETUP_VENV" run_mypy
-stage "pytest (the main suite)" "$SETUP_REDIS,$SETUP_VENV" run_pytest "$@"
+stage "pytest (the main suite)" "$SETUP_REDIS,$SETUP_VENV" run_main_suite "$@"
 stage "redis-py $OLDEST_REDIS_VERSION (storage and engine tests)" "$SETUP_REDIS,$SETUP_OLDEST" \
     run_oldest
 if [ "$SKIP_VLLM" = "1" ]; then
     for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
         skipped "vLLM $version plumbing (tests/vllm_real)" "LMCR_SKIP_VLLM=1"
     done
-    skipped "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" "LMCR_SKIP_VLLM=1"
 else
     for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
         stage "vLLM $version plumbing (tests/vllm_real)" \
             "$SETUP_REDIS,$(setup_vllm_name "$version")" run_vllm_real "$version"
     done
-    stage "vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)" "$SETUP_REDIS,$SETUP_VLLM_CPU" \
-        run_vllm_cpu
 fi
 if [ "$SKIP_SGLANG" = "1" ]; then
     skipped "SGLang $SGLANG_VERSION HiCache (tests/sglang_hicache)" "LMCR_SKIP_SGLANG=1"
 else
     stage "SGLang $SGLANG_VERSION HiCache (tests/sglang_hicache)" \
         "$SETUP_REDIS,$SETUP_SGLANG" run_sglang
+fi
+stage_end "$VLLM_CPU_STAGE"
+if [ "$SOAK_APART" = "1" ]; then
+    stage "the soak (tests/test_soak.py, alone)" "$SETUP_REDIS,$SETUP_VENV" run_soak "$@"
 fi
 
 section "summary"
