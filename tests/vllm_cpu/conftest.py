@@ -7,8 +7,9 @@
 - `fleet` (module): `fleet.engine(name, **spec)` starts an `Engine` (tests/vllm_cpu/
   engine_proc.py in a process of its own; see there for the spec) the first time a name is
   asked for and hands the same running engine to every later test of the module; all stop at
-  the module's end. An engine start costs about 40 s here, most of a case's time, so cases share
-  engines where what they show allows it: their prompts differ, and their connectors share one
+  the module's end. An engine start costs about 5 s in one process (`in_process`, the
+  default) and 30-45 s in vLLM's three processes, so cases share engines where what they
+  show allows it: their prompts differ, and their connectors share one
   key prefix per module (`fleet.prefix`) unless a spec gives its own. Engines run one after
   another (this machine has 2 cores, and each engine binds its OpenMP thread to core 0,
   `VLLM_CPU_OMP_THREADS_BIND=0`: with a KV connector vLLM's CPU platform would otherwise bind
