@@ -26,9 +26,10 @@
 # script's arguments go to it), the storage and engine tests again with redis-py 5.0.8,
 # tests/vllm_real once per vLLM release, tests/sglang_hicache; last, alone, the soak
 # (tests/test_soak.py, out of the main suite when that runs whole). Each side run takes only
-# --collect-only / --co of the arguments; LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and LMCR_SGLANG_PYTEST_ARGS replace their
-# arguments, default "-q -p no:cacheprovider". LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and
-# LMCR_SKIP_SGLANG=1 SGLang's, each saying so in the table.
+# --collect-only / --co of the arguments; LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and
+# LMCR_SGLANG_PYTEST_ARGS replace their arguments, default "-q -p no:cacheprovider".
+# LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and LMCR_SKIP_SGLANG=1 SGLang's, each
+# saying so in the table.
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free
 # loopback ports (or use LMCR_TEST_REDIS_URL); see docs/testing.md.
 set -uo pipefail
@@ -50,26 +51,37 @@ section() { printf '\n== %s ==\n' "$*"; }
 stage() {
     local name="$1" needs="$2"; shift 2
     section "$name"
-    local need result start=$SECONDS
+    _unmet "$name" "$needs" && return
+    local start=$SECONDS
+    ( set -e; shopt -s inherit_errexit; "$@" )  # errexit inside $(...) too
+    _conclude "$name" "$name" $? $((SECONDS - start)) "${HINT:-}"
+}
+
+# _unmet NAME NEEDS: true (and NAME recorded "not run") when a stage named in NEEDS did not pass.
+_unmet() {
+    local need
     local -a wanted=()
-    IFS=, read -ra wanted <<<"$needs"
+    IFS=, read -ra wanted <<<"$2"
     for need in "${wanted[@]}"; do
         if [ "${OUTCOME[$need]:-}" != "passed" ]; then
-            result="not run (${need}: ${OUTCOME[$need]:-missing})"
             echo "NOT RUN: $need did not pass"
-            _record "$name" "$result" 0
+            _record "$1" "not run (${need}: ${OUTCOME[$need]:-missing})" 0
             FAILED=1
-            return
+            return 0
         fi
     done
-    ( set -e; shopt -s inherit_errexit; "$@" )  # errexit inside $(...) too
-    local rc=$?
+    return 1
+}
+
+# _conclude NAME ROW RC SECONDS HINT: says how stage NAME ended and records it as ROW.
+_conclude() {
+    local name="$1" row="$2" rc="$3" seconds="$4" hint="$5" result
     if [ "$rc" -eq 0 ]; then result="passed"; else result="failed (exit $rc)"; FAILED=1; fi
-    if [ "$rc" -ne 0 ] && [ -n "${HINT:-}" ]; then
-        echo "WHAT TO DO: $HINT"
+    if [ "$rc" -ne 0 ] && [ -n "$hint" ]; then
+        echo "WHAT TO DO: $hint"
     fi
-    echo "-- $name: $result in $((SECONDS - start)) s"
-    _record "$name" "$result" $((SECONDS - start))
+    echo "-- $name: $result in $seconds s"
+    _record "$row" "$result" "$seconds"
 }
 
 # [HINT=...] stage_begin NAME NEEDS FUNCTION [ARGS...]: `stage`, but in the background, its
@@ -79,28 +91,18 @@ stage() {
 declare -A BG_PID=() BG_LOG=() BG_START=() BG_HINT=()
 stage_begin() {
     local name="$1" needs="$2"; shift 2
-    local need
-    local -a wanted=()
-    IFS=, read -ra wanted <<<"$needs"
-    for need in "${wanted[@]}"; do
-        if [ "${OUTCOME[$need]:-}" != "passed" ]; then
-            section "$name"
-            echo "NOT RUN: $need did not pass"
-            _record "$name" "not run (${need}: ${OUTCOME[$need]:-missing})" 0
-            FAILED=1
-            return
-        fi
-    done
+    section "$name"
+    _unmet "$name" "$needs" && return
     BG_LOG[$name]="$(mktemp)"
     BG_START[$name]=$SECONDS
     BG_HINT[$name]="${HINT:-}"
     ( set -e; shopt -s inherit_errexit; "$@" ) >"${BG_LOG[$name]}" 2>&1 &
     BG_PID[$name]=$!
-    printf '\n(started in the background: %s; its output follows when it ends)\n' "$name"
+    echo "(started in the background; its output follows when it ends)"
 }
 
 stage_end() {
-    local name="$1" result rc
+    local name="$1" rc
     [ -n "${BG_PID[$name]:-}" ] || return 0
     wait "${BG_PID[$name]}"
     rc=$?
@@ -108,12 +110,7 @@ stage_end() {
     section "$name (in the background)"
     cat "${BG_LOG[$name]}"
     rm -f "${BG_LOG[$name]}"
-    if [ "$rc" -eq 0 ]; then result="passed"; else result="failed (exit $rc)"; FAILED=1; fi
-    if [ "$rc" -ne 0 ] && [ -n "${BG_HINT[$name]}" ]; then
-        echo "WHAT TO DO: ${BG_HINT[$name]}"
-    fi
-    echo "-- $name: $result in $seconds s"
-    _record "$name (in the background)" "$result" "$seconds"
+    _conclude "$name" "$name (in the background)" "$rc" "$seconds" "${BG_HINT[$name]}"
 }
 
 skipped() {
@@ -130,15 +127,13 @@ _record() {
 }
 
 # Of this script's arguments, the side runs take only --collect-only / --co.
-COLLECT=()
-for arg in "$@"; do
-    if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then COLLECT+=("$arg"); fi
-done
 # The soak (tests/test_soak.py: paced engines judged on what they retrieved) runs last, alone,
 # when the main suite runs whole (no test path or expression among the arguments): the other
 # stages share the machine with the vllm-cpu stage.
+COLLECT=()
 SOAK_APART=1
 for arg in "$@"; do
+    if [ "$arg" = "--collect-only" ] || [ "$arg" = "--co" ]; then COLLECT+=("$arg"); fi
     case "$arg" in -*) ;; *) SOAK_APART=0 ;; esac
 done
 SKIP_VLLM="${LMCR_SKIP_VLLM:-0}"
