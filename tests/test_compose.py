@@ -59,11 +59,21 @@ def services() -> dict[str, dict[str, Any]]:
     return _load({})
 
 
+#: The images' own entrypoint: it starts the server it is given as the image's unprivileged
+#: user (what a service without `entrypoint` gets too).
+IMAGE_ENTRYPOINT = "docker-entrypoint.sh"
+
+
 def _argv(service: dict[str, Any]) -> list[str]:
-    command = service["command"]
-    assert isinstance(command, list), "command must be a list: no shell word splitting"
-    assert all(isinstance(arg, str) for arg in command), command
-    return command
+    """What the container runs: `entrypoint` (the image's entrypoint script left out) then
+    `command`, as Docker joins them."""
+    argv = []
+    for field in ("entrypoint", "command"):
+        words = service.get(field, [])
+        assert isinstance(words, list), f"{field} must be a list: no shell word splitting"
+        assert all(isinstance(arg, str) for arg in words), words
+        argv += words
+    return argv[1:] if argv[:1] == [IMAGE_ENTRYPOINT] else argv
 
 
 def _option(argv: list[str], name: str) -> str:
@@ -144,10 +154,25 @@ def test_cluster_profile_has_six_bounded_cluster_nodes(
         # a shard down must not stop the others from serving their slots
         assert _option(argv, "--cluster-require-full-coverage") == "no"
         port = _option(argv, "--port")
-        assert _option(argv, "--cluster-config-file") == f"nodes-{port}.conf"
+        # the default nodes.conf, in each container's own /data: nodes share no folder
+        assert "--cluster-config-file" not in argv and "volumes" not in service
         _port_healthcheck(service, port)
         ports.append(port)
     assert ports == [str(7000 + i) for i in range(1, 7)]
+
+
+def test_every_server_shares_the_one_list_of_cache_options(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """The cache options (password, bound, policy, no disk) are written once for the single
+    servers and the sentinel profile's (`x-cache-args`) and once more inside the cluster nodes'
+    shared command (`x-cluster-node`): the two lists say the same."""
+    cache = services["redis"]["command"]
+    assert _argv(services["redis"]) == ["redis-server", *cache]
+    for name in ["valkey", *SENTINEL_SERVERS]:
+        assert services[name]["command"] == cache, name
+    for name in CLUSTER_NODES:
+        assert _argv(services[name])[-len(cache):] == cache, name
 
 
 def test_cluster_create_step_joins_all_six_with_one_replica_each(
@@ -184,7 +209,8 @@ def test_sentinel_profile_has_master_replica_and_three_sentinels(
         script = _argv(service)[2]
         assert f"sentinel monitor lmcr-master 127.0.0.1 {master_port} 2" in script
         assert "--sentinel" in script.split()
-        port = script.split("--port")[1].split()[0]
+        assert script.split("--port")[1].split()[0] == "$SENTINEL_PORT"
+        port = service["environment"]["SENTINEL_PORT"]
         _port_healthcheck(service, port)
         sentinel_ports.append(port)
     assert sentinel_ports == ["26379", "26380", "26381"]
@@ -323,15 +349,17 @@ class _ComposeSentinel(_PasswordServer):
     def __init__(self, password: str, service: dict[str, Any], master_port: int) -> None:
         super().__init__(password)
         self.master_port = master_port
-        env = " ".join(f"{k}={v}" for k, v in service["environment"].items())
-        self.script = f"export {env}; {_argv(service)[2]}"  # the service's environment
+        self.environment = dict(service["environment"])  # the service's environment
+        self.script = _argv(service)[2]
 
     def command(self) -> list[str]:
         assert self._dir is not None
+        env = {**self.environment, "SENTINEL_PORT": str(self.port)}
         script = (self.script.replace("/tmp/sentinel.conf", str(Path(self._dir) / "s.conf"))
                   .replace("127.0.0.1 6380 ", f"127.0.0.1 {self.master_port} ")
-                  .replace("--port 26379", f"--port {self.port} --dir {self._dir}"))
-        return ["sh", "-c", script]
+                  .replace("--sentinel", f"--sentinel --dir {self._dir}"))
+        exports = " ".join(f"{k}={v}" for k, v in env.items())
+        return ["sh", "-c", f"export {exports}; {script}"]
 
 
 def test_the_sentinel_profile_runs_as_written_with_a_password() -> None:
