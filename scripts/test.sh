@@ -22,10 +22,12 @@
 #                  connector plumbing on the CPU torch (tests/vllm_real/), without the CUDA
 #                  build of torch it pins;
 #   sglang         sglang==0.5.23 on the torch 2.13.0 CPU wheel (ensure_sglang_env).
-# Stages: tests/vllm_cpu in the background beside all but the last; ruff, mypy, pytest (this
-# script's arguments go to it), the storage and engine tests again with redis-py 5.0.8,
-# tests/vllm_real once per vLLM release, tests/sglang_hicache; last, alone, the soak
-# (tests/test_soak.py, out of the main suite when that runs whole). Each side run takes only
+# Stages: ruff, mypy, pytest (this script's arguments go to it), the storage and engine tests
+# again with redis-py 5.0.8, tests/vllm_real once per vLLM release, tests/sglang_hicache; beside
+# them, in the background, tests/vllm_cpu but its hybrid-model module (from the end of the
+# vllm-cpu set-up), and that module once they are done (each lane's engines on a core of its
+# own); last, alone, the soak (tests/test_soak.py, out of the main suite when that runs
+# whole). Each side run takes only
 # --collect-only / --co of the arguments; LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and
 # LMCR_SGLANG_PYTEST_ARGS replace their arguments, default "-q -p no:cacheprovider".
 # LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and LMCR_SKIP_SGLANG=1 SGLang's, each
@@ -227,14 +229,16 @@ run_oldest() {
     oldest_python -m pytest -q -p no:cacheprovider "${OLDEST_TESTS[@]}" "${COLLECT[@]}"
 }
 
-# side_pytest ARGS_STRING DIR PYTHON...: PYTHON -m pytest DIR with ARGS_STRING (split on spaces,
-# default "-q -p no:cacheprovider") and COLLECT. pytest puts this checkout on sys.path
-# (pyproject's pythonpath): the side environments do not install it.
+# side_pytest ARGS_STRING PATHS PYTHON...: PYTHON -m pytest PATHS (split on spaces: test
+# folders, files, --ignore=...) with ARGS_STRING (split on spaces, default
+# "-q -p no:cacheprovider") and COLLECT. pytest puts this checkout on sys.path (pyproject's
+# pythonpath): the side environments do not install it.
 side_pytest() {
-    local -a args
+    local -a args paths
     read -ra args <<<"${1:--q -p no:cacheprovider}"
-    local dir="$2"; shift 2
-    "$@" -m pytest "$dir" "${args[@]}" "${COLLECT[@]}"
+    read -ra paths <<<"$2"
+    shift 2
+    "$@" -m pytest "${paths[@]}" "${args[@]}" "${COLLECT[@]}"
 }
 
 # run_vllm_real VERSION: tests/vllm_real inside that release's overlay (the rig picks vLLM's
@@ -243,11 +247,38 @@ side_pytest() {
 run_vllm_real() {
     side_pytest "${LMCR_VLLM_PYTEST_ARGS:-}" tests/vllm_real vllm_overlay_python "$1"
 }
+# The vllm-cpu engine tests run in two lanes, each in the background and each binding its
+# engines' one OpenMP thread to a core of its own (LMCR_VLLM_CPU_CORE, tests/vllm_cpu/
+# enginekit.py): the first, every module but the hybrid models' (the longest share), from the
+# end of its own set-up; the second, the hybrid models' module (ten short in-process engine
+# starts), once every foreground stage is done, so that the timed fault tests of the main suite
+# and of the redis-py stage never share the machine with two engines.
+VLLM_CPU_LAST="tests/vllm_cpu/test_hybrid_models.py"
+VLLM_CPU_FIRST="tests/vllm_cpu --ignore=$VLLM_CPU_LAST"
+# run_vllm_cpu PATHS CORE_INDEX: the tests of PATHS, engines on the CORE_INDEX-th CPU this
+# script may run on (the last one where it has fewer).
 run_vllm_cpu() {
-    VLLM_TARGET_DEVICE=cpu side_pytest "${LMCR_VLLM_CPU_PYTEST_ARGS:-}" tests/vllm_cpu \
-        "$VLLM_CPU_PY"
+    local core
+    core="$("$VLLM_CPU_PY" -c "import os, sys; cpus = sorted(os.sched_getaffinity(0))
+print(cpus[min(int(sys.argv[1]), len(cpus) - 1)])" "$2")"
+    echo "engines on CPU $core"
+    LMCR_VLLM_CPU_CORE="$core" VLLM_TARGET_DEVICE=cpu \
+        side_pytest "${LMCR_VLLM_CPU_PYTEST_ARGS:-}" "$1" "$VLLM_CPU_PY"
 }
 run_sglang() { side_pytest "${LMCR_SGLANG_PYTEST_ARGS:-}" tests/sglang_hicache "$SGLANG_PY"; }
+
+# The vllm-cpu stages, the longest, run in the background beside the others (see
+# run_vllm_cpu): the first lane from the end of its own set-up, the second once the foreground
+# stages are done; the soak runs after them, alone.
+VLLM_CPU_FIRST_STAGE="vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu, but the hybrid models)"
+VLLM_CPU_LAST_STAGE="vllm-cpu $VLLM_CPU_VERSION engine ($VLLM_CPU_LAST)"
+vllm_cpu_lane() {  # vllm_cpu_lane STAGE PATHS CORE_INDEX
+    if [ "$SKIP_VLLM" = "1" ]; then
+        skipped "$1" "LMCR_SKIP_VLLM=1"
+    else
+        stage_begin "$1" "$SETUP_REDIS,$SETUP_VLLM_CPU" run_vllm_cpu "$2" "$3"
+    fi
+}
 
 # ---- the run ---------------------------------------------------------------------------------
 
@@ -259,11 +290,13 @@ export LMCR_REQUIRE_NATIVE=1
 HINT="$SIDE_HINT" stage "$SETUP_OLDEST" "$SETUP_VENV" setup_oldest
 if [ "$SKIP_VLLM" = "1" ]; then
     skipped "$SETUP_VLLM_CPU" "LMCR_SKIP_VLLM=1"
+    vllm_cpu_lane "$VLLM_CPU_FIRST_STAGE" "$VLLM_CPU_FIRST" 0
     for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
         skipped "$(setup_vllm_name "$version")" "LMCR_SKIP_VLLM=1"
     done
 else
     HINT="$SKIPPABLE_HINT" stage "$SETUP_VLLM_CPU" "" setup_vllm_cpu
+    vllm_cpu_lane "$VLLM_CPU_FIRST_STAGE" "$VLLM_CPU_FIRST" 0
     for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
         HINT="$SKIPPABLE_HINT" stage "$(setup_vllm_name "$version")" "$SETUP_VLLM_CPU" \
             setup_vllm_overlay "$version"
@@ -275,14 +308,6 @@ else
     HINT="$SKIPPABLE_HINT" stage "$SETUP_SGLANG" "" setup_sglang
 fi
 
-# The vllm-cpu stage, the longest, runs in the background from here on, beside the others
-# (its engines each hold one OpenMP thread on core 0); the soak runs after it, alone.
-VLLM_CPU_STAGE="vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu)"
-if [ "$SKIP_VLLM" = "1" ]; then
-    skipped "$VLLM_CPU_STAGE" "LMCR_SKIP_VLLM=1"
-else
-    stage_begin "$VLLM_CPU_STAGE" "$SETUP_REDIS,$SETUP_VLLM_CPU" run_vllm_cpu
-fi
 stage "ruff" "$SETUP_VENV" run_ruff
 stage "mypy" "$SETUP_VENV" run_mypy
 stage "pytest (the main suite)" "$SETUP_REDIS,$SETUP_VENV" run_main_suite "$@"
@@ -304,17 +329,19 @@ else
     stage "SGLang $SGLANG_VERSION HiCache (tests/sglang_hicache)" \
         "$SETUP_REDIS,$SETUP_SGLANG" run_sglang
 fi
-stage_end "$VLLM_CPU_STAGE"
+vllm_cpu_lane "$VLLM_CPU_LAST_STAGE" "$VLLM_CPU_LAST" 1
+stage_end "$VLLM_CPU_FIRST_STAGE"
+stage_end "$VLLM_CPU_LAST_STAGE"
 if [ "$SOAK_APART" = "1" ]; then
     stage "the soak (tests/test_soak.py, alone)" "$SETUP_REDIS,$SETUP_VENV" run_soak "$@"
 fi
 
 section "summary"
-printf '| %-58s | %7s | %s\n' "stage" "seconds" "result"
-printf '|%s|%s|%s\n' "$(printf -- '-%.0s' {1..60})" "$(printf -- '-%.0s' {1..9})" "--------"
+printf '| %-70s | %7s | %s\n' "stage" "seconds" "result"
+printf '|%s|%s|%s\n' "$(printf -- '-%.0s' {1..72})" "$(printf -- '-%.0s' {1..9})" "--------"
 for i in "${!STAGE_NAMES[@]}"; do
-    printf '| %-58s | %7s | %s\n' "${STAGE_NAMES[$i]}" "${STAGE_SECONDS[$i]}" "${STAGE_RESULTS[$i]}"
+    printf '| %-70s | %7s | %s\n' "${STAGE_NAMES[$i]}" "${STAGE_SECONDS[$i]}" "${STAGE_RESULTS[$i]}"
 done
-printf '| %-58s | %7s | %s\n' "total" "$((SECONDS - TOTAL_START))" \
+printf '| %-70s | %7s | %s\n' "total" "$((SECONDS - TOTAL_START))" \
     "$([ "$FAILED" -eq 0 ] && echo passed || echo FAILED)"
 exit "$FAILED"

@@ -10,10 +10,11 @@
   the module's end. An engine start costs about 5 s in one process (`in_process`, the
   default) and 30-45 s in vLLM's three processes, so cases share engines where what they
   show allows it: their prompts differ, and their connectors share one
-  key prefix per module (`fleet.prefix`) unless a spec gives its own. Engines run one after
-  another (this machine has 2 cores, and each engine binds its OpenMP thread to core 0,
-  `VLLM_CPU_OMP_THREADS_BIND=0`: with a KV connector vLLM's CPU platform would otherwise bind
-  two threads, which changes the float results before the connector does anything).
+  key prefix per module (`fleet.prefix`) unless a spec gives its own. A module's engines
+  run one after another, each binding its one OpenMP thread to `enginekit.engine_core()`
+  (`VLLM_CPU_OMP_THREADS_BIND`: with a KV connector vLLM's CPU platform would otherwise bind
+  two threads, which changes the float results before the connector does anything); the
+  test command runs two pytest lanes of these modules at once, one core each.
 """
 
 from __future__ import annotations
