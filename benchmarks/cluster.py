@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from lmcache_remote import CacheConfig, CacheEngine, DenseKV, EngineMetadata
+from lmcache_remote.admin.private_server import RedisServer, ValkeyServer
 from tests.cluster_servers import ClusterServers
-from tests.servers import RedisServer, ValkeyServer
 
 LAYERS, HEADS, HEAD = 32, 8, 128
 DTYPE = torch.bfloat16

@@ -1,60 +1,34 @@
-"""A private redis-server on a free loopback port, started and stopped by the benchmark run."""
+"""A private redis-server on a free loopback port, started and stopped by a benchmark run:
+the library's private server (`lmcache_remote.admin.private_server.RedisServer`, the one
+launcher the tests and the CLI use too) with what a benchmark measures of it."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
-from types import TracebackType
+from typing import Any
 
 import redis
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from lmcache_remote.admin.private_server import RedisServer
 
 
-class LocalRedis:
-    """`redis-server` with no persistence, no memory limit; ``url``, ``port``, ``client()``."""
+class LocalRedis(RedisServer):
+    """`redis-server` with no persistence, no memory limit but what ``extra_args`` set;
+    ``url``, ``port``, ``pid``, ``client()`` (a 60 s socket timeout), and the figures below."""
 
-    def __init__(self, binary: str = "redis-server") -> None:
-        path = shutil.which(binary)
-        if path is None:
-            raise RuntimeError(f"{binary} is not on PATH")
-        self.binary = path
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._dir = tempfile.mkdtemp(prefix="lmcr-bench-")
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> LocalRedis:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]
-        log = open(f"{self._dir}/server.log", "wb")  # noqa: SIM115 - lives as long as the server
-        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if self.client().ping():
-                    return self
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start; see {self._dir}/server.log")
+    def __init__(self, *extra_args: str) -> None:
+        super().__init__("--protected-mode", "no", *extra_args)
 
     @property
     def pid(self) -> int:
         """The running server's process id."""
-        if self._proc is None:
+        pid = super().pid
+        if pid is None:
             raise RuntimeError("redis-server is not running")
-        return self._proc.pid
+        return pid
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return super().client(**{"socket_timeout": 60, **kwargs})
 
     def version(self) -> str:
         return str(self.client().info("server")["redis_version"])
@@ -107,22 +81,3 @@ class LocalRedis:
             client.execute_command("MEMORY", "PURGE")
         finally:
             client.close()
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> LocalRedis:
-        return self.start()
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_rea
 
 import rig  # noqa: E402
 
-from tests.servers import RedisServer  # noqa: E402
+from lmcache_remote.admin.private_server import RedisServer  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD = 4, 8, 64  # 8 KiB of bfloat16 KV per token
 PREFIX, SUFFIX, REQUESTS, NEW_TOKENS = 4096, 64, 16, 8

@@ -34,9 +34,9 @@ from typing import IO, Any
 
 import redis
 
+from lmcache_remote.admin.private_server import RedisServer
 from soak.faults import FREE_RATE, FaultInjector
 from soak.settings import MIB, SoakSettings
-from tests.servers import RedisServer
 from tests.throttle import Throttle
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -31,9 +31,9 @@ from typing import Any
 
 import redis
 
+from lmcache_remote.admin.private_server import RedisServer
 from lmcache_remote.naming.keys import PART_SEP, scan_pattern
 from lmcache_remote.values.serde import MAGIC
-from tests.servers import RedisServer
 
 ROTATION = ("pause", "client-kill", "corrupt", "slow-link", "debug-sleep", "delete-parts",
             "next-release", "squeeze", "kill-restart")
