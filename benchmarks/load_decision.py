@@ -55,7 +55,7 @@ from enginekit import prompt, save_model  # noqa: E402
 from servers import RedisServer  # noqa: E402
 from throttle import Throttle  # noqa: E402
 
-from benchmarks.vllm_engine import (  # noqa: E402
+from benchmarks.vllm_rig import (  # noqa: E402
     TAIL,
     Engine,
     busy,

