@@ -3,7 +3,7 @@ receive loop (lmcache_remote/native/_wire_resp.c, with its parts _wire_io.c, _wi
 _wire_reply.c sharing _wire_resp.h) and PagedKV's row copier (_wire_rows.c), one module
 (_wire.c, with the XXH3 binding in _wire_xxh3.c) from several sources that share _wire.h. It
 is optional: where it cannot be compiled (no C compiler, no Python headers) the install goes
-on, and the pure-Python reader (lmcache_remote/storage/resp.py's RespReader), the same
+on, and the pure-Python reader (lmcache_remote/storage/wire/resp.py's RespReader), the same
 protocol, is used instead (`bulk.NATIVE` says which); PagedKV then copies rows in torch /
 numpy."""
 

@@ -27,8 +27,8 @@ from benchmarks.limits import PlainSocket, split
 from benchmarks.server import LocalRedis
 from benchmarks.spinner import Spinner
 from lmcache_remote import CacheEngine, KVView
-from lmcache_remote.storage.memory import MemoryObj
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.chunks.redis_tier import RedisTier
+from lmcache_remote.storage.local.memory import MemoryObj
 from lmcache_remote.telemetry.metrics import Metrics
 
 #: The spinning thread of this process (the project's contenders run here).

@@ -11,7 +11,7 @@ import torch
 
 from lmcache_remote import DenseKV, EngineMetadata, PagedKV
 from lmcache_remote.connectors import KVView
-from lmcache_remote.storage.memory import ChunkLayout
+from lmcache_remote.storage.local.memory import ChunkLayout
 
 CHUNK = 256
 BLOCK = 16  # vLLM's default block size

@@ -16,8 +16,8 @@ from benchmarks.server import LocalRedis
 from benchmarks.timing import median_seconds
 from lmcache_remote import CacheConfig, CacheEngine, DenseKV, KVView
 from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.storage.memory import MemoryObj, MemoryPool
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.chunks.redis_tier import RedisTier
+from lmcache_remote.storage.local.memory import MemoryObj, MemoryPool
 from lmcache_remote.telemetry.metrics import Metrics
 from lmcache_remote.values.serde import Serde
 

@@ -28,10 +28,10 @@ import torch
 from benchmarks.server import LocalRedis
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.naming.keys import CacheEngineKey
-from lmcache_remote.storage import remote_writes
-from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
-from lmcache_remote.storage.redis_commands import chunk_write_command
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.chunks import writes as remote_writes
+from lmcache_remote.storage.chunks.redis_tier import RedisTier
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
+from lmcache_remote.storage.wire.commands import chunk_write_command
 from lmcache_remote.telemetry.metrics import Metrics
 
 ROWS = ("MSET", "transaction", "EVAL")

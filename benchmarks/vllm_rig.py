@@ -57,7 +57,7 @@ def snapshot_project(work: Path, attempts: int = 20) -> tuple[Path, str]:
              "[Extension('lmcache_remote.native._wire', "
              "sorted(glob('lmcache_remote/native/_wire*.c')), "
              "extra_compile_args=['-O2'])])")
-    check = ("import lmcache_remote.integrations.vllm, lmcache_remote.storage.bulk as w; "
+    check = ("import lmcache_remote.integrations.vllm, lmcache_remote.storage.wire.bulk as w; "
              "assert w.NATIVE, 'the native _wire did not load'")
     for attempt in range(attempts):
         snap = work / f"project-{attempt}"

@@ -52,7 +52,7 @@ from lmcache_remote.engine import CacheEngine
 from lmcache_remote.errors import ConfigError
 from lmcache_remote.integrations.huggingface import CachedLM, engine_metadata
 from lmcache_remote.naming.keys import prefix_pattern, scan_pattern, split_part_key
-from lmcache_remote.storage.client import make_client
+from lmcache_remote.storage.session.client import make_client
 from lmcache_remote.values.serde import dtype_name
 
 __all__ = ["DemoOptions", "DemoReport", "Phase", "run_demo"]

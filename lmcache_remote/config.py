@@ -102,7 +102,7 @@ class CacheConfig:
     part plan in docs/value-format.md)."""
     serde_threads: int = 0
     """Threads for compression; 0 = one per CPU this process may use (its affinity mask,
-    capped by its cgroup's CPU quota: `lmcache_remote.storage.cpus`), not one per core of the
+    capped by its cgroup's CPU quota: `lmcache_remote.storage.local.cpus`), not one per core of the
     host."""
     remote_write_lanes: int = 8
     """Connections one store writes over at once on a single server (1-64). Eight, not four:

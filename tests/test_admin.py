@@ -11,7 +11,7 @@ import redis
 from lmcache_remote.admin import parse_duration
 from lmcache_remote.admin.snapshot import SnapshotError, SnapshotReader, SnapshotWriter
 from lmcache_remote.naming.keys import engine_stats_key, scan_pattern
-from lmcache_remote.storage.scan import scan_batches, scan_keys
+from lmcache_remote.storage.session.scan import scan_batches, scan_keys
 
 
 def test_scan_streams_every_key_in_pages(redis_client: redis.Redis, key_prefix: str) -> None:

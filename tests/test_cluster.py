@@ -27,8 +27,8 @@ from redis.cluster import RedisCluster
 from lmcache_remote import CacheConfig, CacheEngineKey, PagedKV
 from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
 from lmcache_remote.naming.keys import scan_pattern, split_part_key
-from lmcache_remote.storage.client import make_client
-from lmcache_remote.storage.cluster_tier import ClusterRedisTier
+from lmcache_remote.storage.chunks.cluster_tier import ClusterRedisTier
+from lmcache_remote.storage.session.client import make_client
 from tests import kvutil
 from tests import test_foreign_writer as foreign
 from tests.cluster_servers import ClusterServers

@@ -20,7 +20,7 @@ import redis
 import yaml
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.storage.client import make_client
+from lmcache_remote.storage.session.client import make_client
 from tests.servers import RedisServer
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"

@@ -1,6 +1,6 @@
 """A process opens no more Redis connections than docs/deploy.md's formula says
-(`storage.connections`), counted by the server itself (`CLIENT LIST`) while every write lane
-is busy and a retrieve runs over the read lanes.
+(`storage.session.connection_count`), counted by the server itself (`CLIENT LIST`) while every
+write lane is busy and a retrieve runs over the read lanes.
 
 The server's writes are paused (`CLIENT PAUSE WRITE`): each write lane then holds its
 connection in a SET that waits, the stats publisher in its HSET, while reads (GET, EXISTS)
@@ -18,13 +18,13 @@ import torch
 from kvutil import engine, tokens, view
 
 from lmcache_remote import CacheConfig
-from lmcache_remote.storage import redis_commands
-from lmcache_remote.storage.connections import (
+from lmcache_remote.storage.session.connection_count import (
     ConnectionCount,
     engine_connections,
     fleet_connections,
     lookup_connections,
 )
+from lmcache_remote.storage.wire import windows as wire_windows
 from tests.faultkit import wait_for
 from tests.servers import RedisServer
 
@@ -35,7 +35,7 @@ N = 9 * CHUNK  # one chunk per window: more windows than the 8 write lanes
 
 @pytest.fixture(autouse=True)
 def one_chunk_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_commands, "WINDOW_BYTES", CHUNK_BYTES)
+    monkeypatch.setattr(wire_windows, "WINDOW_BYTES", CHUNK_BYTES)
 
 
 @pytest.fixture

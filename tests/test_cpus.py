@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_remote.storage.cpus import available_cpus, cgroup_cpu_limit
+from lmcache_remote.storage.local.cpus import available_cpus, cgroup_cpu_limit
 
 
 def _v2(root: Path, files: dict[str, str], own: str = "/") -> Path:
@@ -81,7 +81,7 @@ def test_affinity_of_a_pinned_process(tmp_path: Path) -> None:
     code = (
         "import os, sys\n"
         "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
-        "from lmcache_remote.storage.cpus import available_cpus\n"
+        "from lmcache_remote.storage.local.cpus import available_cpus\n"
         f"print(available_cpus({str(tmp_path)!r}, {str(tmp_path / 'none')!r}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

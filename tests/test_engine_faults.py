@@ -7,7 +7,7 @@ from faultkit import bound, timed, wait_for
 from kvutil import engine, reference_keys, tokens, view
 from servers import RedisServer, unread_bytes
 
-from lmcache_remote.storage import redis_commands
+from lmcache_remote.storage.wire import windows as wire_windows
 
 
 def test_starts_and_serves_while_redis_is_down_then_reconnects(private_redis: RedisServer,
@@ -85,7 +85,7 @@ def test_a_failing_later_window_frees_every_buffer_of_the_retrieve(
     """A retrieve whose Redis reads fail after earlier windows arrived (here a value of the
     wrong type under a later chunk's key: the server answers WRONGTYPE) misses cleanly and
     gives every buffer back to the pool, over and over."""
-    monkeypatch.setattr(redis_commands, "WINDOW_BYTES", 1)  # one chunk per window
+    monkeypatch.setattr(wire_windows, "WINDOW_BYTES", 1)  # one chunk per window
     n = 6 * 256
     src, _ = view("kv_split", torch.bfloat16, n, seed=3)
     with engine(redis_url, key_prefix, local_cpu=False, store_async=False) as e:

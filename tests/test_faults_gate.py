@@ -13,8 +13,8 @@ import redis
 from faultkit import Clock
 
 from lmcache_remote import BackendError
-from lmcache_remote.storage.client import RemoteCaller
-from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.session.client import RemoteCaller
+from lmcache_remote.storage.session.health import HealthGate
 
 
 def test_failures_of_calls_already_in_flight_do_not_stretch_the_backoff() -> None:

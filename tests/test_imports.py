@@ -137,14 +137,87 @@ def test_the_library_never_imports_the_cli() -> None:
     assert users == []
 
 
+#: Inside `storage/`, its folders from the bottom (docs/architecture.md, the package's
+#: docstring): a module may import its own folder and those below, never one above or beside.
+STORAGE_LAYERS: list[list[str]] = [
+    ["tier"],
+    ["local"],
+    ["wire"],
+    ["session"],
+    ["chunks"],
+    ["pages"],
+    ["manager"],
+]
+
+
+def storage_group(module: str) -> str | None:
+    """The folder (or root module) of `storage/` that `module` belongs to; None outside it
+    and for the package itself."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "storage" else None
+
+
+def test_storage_imports_run_up_its_folders() -> None:
+    order = {name: i for i, names in enumerate(STORAGE_LAYERS) for name in names}
+    wrong = []
+    for module, targets in edges().items():
+        mine = storage_group(module)
+        if mine is None:
+            continue
+        for target in targets:
+            theirs = storage_group(target)
+            if target == "lmcache_remote.storage" or (
+                    theirs is not None and theirs != mine and order[theirs] >= order[mine]):
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
+
+
+def test_every_entry_of_storage_has_its_layer() -> None:
+    placed = {name for names in STORAGE_LAYERS for name in names}
+    storage = PACKAGE / "storage"
+    entries = {path.stem if path.suffix == ".py" else path.name
+               for path in storage.iterdir()
+               if path.name not in NOT_CODE}
+    assert entries == placed
+
+
+def test_the_earlier_storage_paths_import_the_moved_modules() -> None:
+    """Every module that sat in `storage/` before its folders still imports at its earlier
+    path, as the very module of its new one (`storage.MOVED`)."""
+    import importlib
+
+    import lmcache_remote.storage as storage
+
+    mods = modules()
+    for old, new in storage.MOVED.items():
+        assert f"lmcache_remote.storage.{old}" not in mods, old  # no file left behind
+        alias = importlib.import_module(f"lmcache_remote.storage.{old}")
+        for path in new.split():
+            moved = importlib.import_module(f"lmcache_remote.storage.{path}")
+            public = [n for n in vars(moved) if not n.startswith("_")]
+            assert public and all(getattr(alias, n) is getattr(moved, n) for n in public), old
+    # a name set at the earlier path is set on the module that holds it
+    import lmcache_remote.storage.redis_commands as earlier
+
+    from lmcache_remote.storage.wire import windows
+
+    before = windows.WINDOW_BYTES
+    try:
+        earlier.WINDOW_BYTES = 123
+        assert windows.WINDOW_BYTES == 123
+    finally:
+        windows.WINDOW_BYTES = before
+
+
 def test_the_layers_are_read_right() -> None:
     """The checks above see real edges: a few this tree is known to have."""
     graph = edges()
-    assert "lmcache_remote.storage.manager" in graph["lmcache_remote.engine.cache_engine"]
+    assert ("lmcache_remote.storage.manager.storage_manager"
+            in graph["lmcache_remote.engine.cache_engine"])
     assert "lmcache_remote.native._wire" in graph["lmcache_remote.native"]
     assert "lmcache_remote.values.integrity" in graph["lmcache_remote.config"]
     assert group("lmcache_remote.integrations.vllm.connector") == "integrations"
-    assert layer(group("lmcache_remote.storage.bulk")) < layer(group("lmcache_remote.engine"))
+    assert layer(group("lmcache_remote.storage.wire.bulk")) < layer(group("lmcache_remote.engine"))
     assert layer(group("lmcache_remote.values.serde")) < layer(group("lmcache_remote.config"))
 
 

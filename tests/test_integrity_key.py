@@ -194,14 +194,14 @@ def test_forged_values_are_never_served_counted_and_left_in_place(
 def test_runs_checked_while_the_next_one_arrives_keep_the_prefix_rule(
         redis_url: str, redis_client: redis.Redis, key_prefix: str, key_file: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A keyed read receives each window in runs (`remote_reads.VERIFY_RUN_BYTES`), checking
+    """A keyed read receives each window in runs (`chunks.reads.VERIFY_RUN_BYTES`), checking
     one run's MACs while the next one comes in on a receiver thread: with one chunk a run and
     one lane, every chunk after the first arrives that way. All six come back exact; a forged
     fourth cuts the run there, the chunk being received behind it is released with the rest,
     and nothing stays held in the tier's pool."""
     import threading
 
-    from lmcache_remote.storage import remote_reads
+    from lmcache_remote.storage.chunks import reads as remote_reads
 
     monkeypatch.setattr(remote_reads, "VERIFY_RUN_BYTES", 1)
     toks = kvutil.tokens(6 * CHUNK, 9)

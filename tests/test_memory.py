@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
 
 LAYOUT = ChunkLayout(2, 2, 4, torch.bfloat16)
 

@@ -18,7 +18,7 @@ from kvutil import engine, reference_hashes, tokens, view
 from lmcache_remote import CacheConfig
 from lmcache_remote.admin import CacheAdmin, EntryFilter, PinRefused
 from lmcache_remote.naming.keys import CacheEngineKey, pins_key
-from lmcache_remote.storage.scan import scan_nodes
+from lmcache_remote.storage.session.scan import scan_nodes
 from tests.servers import RedisServer, ValkeyServer
 
 N = 2560  # ten chunks of 256 tokens, 32 KiB each (8 parts of 4 KiB: every value is pinned)

@@ -22,12 +22,14 @@ from kvutil import tier_chunks
 
 from lmcache_remote import CacheConfig
 from lmcache_remote.naming.hashing import ChunkSpec, KeyNamespace, TokenDatabase
-from lmcache_remote.storage import redis_commands, redis_tier
-from lmcache_remote.storage.lanes import background_reads
-from lmcache_remote.storage.memory import ChunkLayout, MemoryObj, MemoryPool
-from lmcache_remote.storage.redis_commands import ByteBudget, command_key
-from lmcache_remote.storage.redis_tier import RedisTier
-from lmcache_remote.storage.resp import pack
+from lmcache_remote.storage.chunks import redis_tier
+from lmcache_remote.storage.chunks.redis_tier import RedisTier
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryObj, MemoryPool
+from lmcache_remote.storage.wire import windows as wire_windows
+from lmcache_remote.storage.wire.commands import command_key
+from lmcache_remote.storage.wire.lanes import background_reads
+from lmcache_remote.storage.wire.resp import pack
+from lmcache_remote.storage.wire.windows import ByteBudget
 from lmcache_remote.telemetry.metrics import Metrics
 
 LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)  # 8 KiB per 64-token chunk
@@ -39,7 +41,7 @@ N_CHUNKS = 16
 
 @pytest.fixture(autouse=True)
 def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_commands, "WINDOW_BYTES",
+    monkeypatch.setattr(wire_windows, "WINDOW_BYTES",
                         redis_tier.WRITE_LANES * PER_WINDOW * CHUNK_BYTES)
 
 
@@ -80,7 +82,7 @@ def test_a_put_over_several_connections_writes_every_chunk(
     reader = make_tier(redis_url, key_prefix, pool, "raw")
     tiers += [writer, reader]
     specs, objs = make_chunks(pool, seed=1)
-    assert len(writer._write_windows(objs, redis_commands.WINDOW_BYTES // writer.write_lanes)) == (
+    assert len(writer._write_windows(objs, wire_windows.WINDOW_BYTES // writer.write_lanes)) == (
         N_CHUNKS // PER_WINDOW
     )
     assert sum(writer.put_each([s.key for s in specs], objs)) == N_CHUNKS
@@ -251,7 +253,7 @@ def test_the_steps_reads_go_before_a_background_load(
     that comes after takes the next free lane before the background's waiting windows: it
     waits only for the windows already in flight (one per lane). Redis is paused while both
     queue up, so the order is the lanes' choice, not the network's."""
-    monkeypatch.setattr(redis_commands, "WINDOW_BYTES", 2 * CHUNK_BYTES)  # one chunk a window
+    monkeypatch.setattr(wire_windows, "WINDOW_BYTES", 2 * CHUNK_BYTES)  # one chunk a window
     tier = make_tier(private_redis.url, key_prefix, pool)
     tiers.append(tier)
     tier.read_lanes = 2

@@ -20,7 +20,7 @@ from kvutil import engine
 
 from lmcache_remote import CacheEngine
 from lmcache_remote.errors import BackendError
-from lmcache_remote.storage import bulk as wire
+from lmcache_remote.storage.wire import bulk as wire
 
 
 class OldPool:

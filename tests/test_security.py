@@ -23,7 +23,7 @@ from lmcache_remote import (
     CacheConfig,
     CacheEngine,
 )
-from lmcache_remote.storage.access import ADMIN_COMMANDS, ENGINE_COMMANDS
+from lmcache_remote.storage.session.access import ADMIN_COMMANDS, ENGINE_COMMANDS
 
 CHUNK = 256
 PASSWORD = "Sup3r-S3cret-pw"

@@ -19,9 +19,9 @@ from kvutil import tier_chunks
 
 from lmcache_remote import CacheConfig
 from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
-from lmcache_remote.storage.redis_tier import RedisTier
-from lmcache_remote.storage.write_behind import PendingWrites, WriteBehindQueue
+from lmcache_remote.storage.chunks.redis_tier import RedisTier
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
+from lmcache_remote.storage.manager.write_behind import PendingWrites, WriteBehindQueue
 from lmcache_remote.telemetry.metrics import Metrics
 
 LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)

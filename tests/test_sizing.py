@@ -12,8 +12,8 @@ from servers import RedisServer
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.chunks.redis_tier import RedisTier
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
 from lmcache_remote.telemetry.metrics import Metrics
 from lmcache_remote.values.serde import DEFAULT_PART_SIZE, Serde
 from lmcache_remote.values.sizing import (

@@ -77,12 +77,12 @@ def test_a_keyed_read_in_runs_ends_within_the_timeout_on_a_slow_link(
         private_redis: Any, key_prefix: str, tmp_path: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A read with an `integrity_key` comes in runs, each received on a receiver thread while
-    the one before is checked (`remote_reads.VERIFY_RUN_BYTES`, one chunk a run here): on a
+    the one before is checked (`chunks.reads.VERIFY_RUN_BYTES`, one chunk a run here): on a
     link slow enough that the deadline falls in the middle of a run, the call still ends within
     the timeout, serves only exact tokens, and leaves no chunk buffer held."""
     import threading
 
-    from lmcache_remote.storage import remote_reads
+    from lmcache_remote.storage.chunks import reads as remote_reads
 
     monkeypatch.setattr(remote_reads, "VERIFY_RUN_BYTES", 1)
     key = tmp_path / "integrity.key"

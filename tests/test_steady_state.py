@@ -15,7 +15,7 @@ import torch
 from kvutil import engine, metadata, tokens, view
 
 from lmcache_remote import CacheConfig
-from lmcache_remote.storage.manager import StorageManager
+from lmcache_remote.storage.manager.storage_manager import StorageManager
 
 CHUNK_BYTES = metadata().layout.nbytes(256)
 GIB = 1024**3

@@ -10,11 +10,11 @@ from kvutil import tier_chunks
 
 from lmcache_remote import CacheConfig
 from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
-from lmcache_remote.storage.base import StorageTier
-from lmcache_remote.storage.local_cpu import LocalCPUTier
-from lmcache_remote.storage.manager import StorageManager
-from lmcache_remote.storage.memory import ChunkLayout, MemoryObj, MemoryPool
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.chunks.redis_tier import RedisTier
+from lmcache_remote.storage.local.cpu_tier import LocalCPUTier
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryObj, MemoryPool
+from lmcache_remote.storage.manager.storage_manager import StorageManager
+from lmcache_remote.storage.tier import StorageTier
 from lmcache_remote.telemetry.metrics import Metrics
 
 LAYOUT = ChunkLayout(2, 2, 8, torch.bfloat16)

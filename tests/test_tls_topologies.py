@@ -32,7 +32,7 @@ from tlsutil import (
 )
 
 from lmcache_remote import PagedKV
-from lmcache_remote.storage.cluster_tier import ClusterRedisTier
+from lmcache_remote.storage.chunks.cluster_tier import ClusterRedisTier
 
 CHUNK = 64
 TOKENS = 1024

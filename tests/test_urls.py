@@ -12,7 +12,7 @@ from redis.sentinel import SentinelConnectionPool
 
 from lmcache_remote import CacheConfig, ConfigError, PagedKV, load_config
 from lmcache_remote.config import mask_url
-from lmcache_remote.storage.client import make_client
+from lmcache_remote.storage.session.client import make_client
 from lmcache_remote.urls import parse_remote_url
 from tests import kvutil
 from tests.servers import free_port

@@ -1,4 +1,4 @@
-"""The bulk RESP executor (storage/bulk.py) against real servers: replies of every kind, error
+"""The bulk RESP executor (storage/wire/bulk.py) against real servers: replies of every kind, error
 replies per command, values received in place, and connections that time out or break.
 
 Every test that reads replies runs twice, once with the Python reader and once with the native loop
@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 from servers import RedisServer
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.storage import bulk as wire_mod
-from lmcache_remote.storage import resp
-from lmcache_remote.storage.arena import Arena, ArenaPool
-from lmcache_remote.storage.bulk import BulkPipeline, supports
-from lmcache_remote.storage.client import client_kwargs
-from lmcache_remote.storage.redis_commands import chunk_write_command, command_key
-from lmcache_remote.storage.resp import pack
+from lmcache_remote.storage.session.client import client_kwargs
+from lmcache_remote.storage.wire import bulk as wire_mod
+from lmcache_remote.storage.wire import resp
+from lmcache_remote.storage.wire.arena import Arena, ArenaPool
+from lmcache_remote.storage.wire.bulk import BulkPipeline, supports
+from lmcache_remote.storage.wire.commands import chunk_write_command, command_key
+from lmcache_remote.storage.wire.resp import pack
 
 
 @pytest.fixture(params=[False, True], ids=["python", "native"])
@@ -262,7 +262,7 @@ def test_streamed_batch_keeps_replies_in_flight_under_the_bound(
 def test_reads_ask_two_of_their_largest_chunks_ahead_at_most_the_cap() -> None:
     """The fast read path's in-flight bound follows the chunks: two of the largest (the one
     being read and the next), never more than `INFLIGHT_BYTES` (32 MiB chunks' parts)."""
-    from lmcache_remote.storage.redis_commands import INFLIGHT_BYTES, read_ahead
+    from lmcache_remote.storage.wire.windows import INFLIGHT_BYTES, read_ahead
 
     assert read_ahead([1_044_160 + 4_416] * 256) == 2 * 2**20  # head and tail: a whole chunk
     assert read_ahead([3 * 2**20, 2**20]) == 6 * 2**20 <= INFLIGHT_BYTES
@@ -277,8 +277,8 @@ def _stored_chunks(redis_url: str, key_prefix: str, heads: int, head_dim: int,
     import torch
 
     from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
-    from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
-    from lmcache_remote.storage.redis_tier import RedisTier
+    from lmcache_remote.storage.chunks.redis_tier import RedisTier
+    from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
     from lmcache_remote.telemetry.metrics import Metrics
 
     layout = ChunkLayout(4, heads, head_dim, torch.bfloat16)
@@ -583,8 +583,8 @@ def test_tier_reads_chunks_written_with_other_codec_or_part_size(
     import torch
 
     from lmcache_remote.naming.hashing import KeyNamespace, TokenDatabase
-    from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
-    from lmcache_remote.storage.redis_tier import RedisTier
+    from lmcache_remote.storage.chunks.redis_tier import RedisTier
+    from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
     from lmcache_remote.telemetry.metrics import Metrics
 
     layout = ChunkLayout(2, 2, 8, torch.bfloat16)
@@ -621,7 +621,7 @@ def test_send_buffers_sends_every_byte_in_order_across_partial_sends() -> None:
     """More buffers than one sendmsg takes, empty ones among them, and more bytes than the
     socket buffer holds (so sendmsg returns partial counts): the peer reads exactly their
     concatenation."""
-    from lmcache_remote.storage.resp import send_buffers
+    from lmcache_remote.storage.wire.resp import send_buffers
 
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)

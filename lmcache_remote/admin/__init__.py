@@ -60,9 +60,9 @@ from lmcache_remote.errors import (
     LmcrError,
 )
 from lmcache_remote.naming.keys import CacheEngineKey, PageKey, split_page_part_key, split_part_key
-from lmcache_remote.storage.access import check_access
-from lmcache_remote.storage.client import make_client, translate
-from lmcache_remote.storage.pins import Pin, PinRefused, Pins, PinTarget
+from lmcache_remote.storage.session.access import check_access
+from lmcache_remote.storage.session.client import make_client, translate
+from lmcache_remote.storage.session.pins import Pin, PinRefused, Pins, PinTarget
 from lmcache_remote.values.serde import Serde, dtype_name
 
 __all__ = [

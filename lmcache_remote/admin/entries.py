@@ -29,7 +29,7 @@ from lmcache_remote.naming.keys import (
     page_scan_pattern,
     split_page_part_key,
 )
-from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches
+from lmcache_remote.storage.session.scan import DEFAULT_COUNT, scan_batches
 from lmcache_remote.values.serde import (
     AUTHENTICATED,
     HEADER_FIXED,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache_remote.naming.keys import engine_stats_pattern
-from lmcache_remote.storage.scan import scan_batches
+from lmcache_remote.storage.session.scan import scan_batches
 
 #: Counters summed over the engines (the fields engines publish, see `engine.published_fields`).
 SUMMED = (

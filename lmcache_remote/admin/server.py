@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from lmcache_remote.storage.scan import scan_nodes
+from lmcache_remote.storage.session.scan import scan_nodes
 
 _PINGS = 3
 

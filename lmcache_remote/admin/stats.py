@@ -20,7 +20,7 @@ from lmcache_remote.admin.filters import EntryFilter
 from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.errors import KeyFormatError
 from lmcache_remote.naming.keys import page_scan_pattern, split_page_part_key
-from lmcache_remote.storage.scan import DEFAULT_COUNT, scan_batches, scan_nodes
+from lmcache_remote.storage.session.scan import DEFAULT_COUNT, scan_batches, scan_nodes
 
 GroupKey = tuple[str, int, int, str]
 

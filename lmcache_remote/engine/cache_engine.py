@@ -88,8 +88,8 @@ from lmcache_remote.errors import (
 )
 from lmcache_remote.naming.hashing import ChunkSpec, TokenDatabase, tokens_to_array
 from lmcache_remote.naming.identity import RequestIdentity, resolve
-from lmcache_remote.storage.connections import engine_connections
-from lmcache_remote.storage.manager import StorageManager
+from lmcache_remote.storage.manager.storage_manager import StorageManager
+from lmcache_remote.storage.session.connection_count import engine_connections
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 __all__ = ["CacheEngine", "EngineMetadata"]

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from lmcache_remote.naming.hashing import KeyNamespace
-from lmcache_remote.storage.memory import ChunkLayout
+from lmcache_remote.storage.local.memory import ChunkLayout
 from lmcache_remote.values.serde import dtype_name
 
 

@@ -27,8 +27,8 @@ from collections.abc import Mapping
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.naming.keys import engine_stats_key
-from lmcache_remote.storage.manager import StorageManager
-from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
+from lmcache_remote.storage.manager.storage_manager import StorageManager
+from lmcache_remote.storage.session.publisher import FieldValue, StatsPublisher
 from lmcache_remote.telemetry.metrics import (
     Metrics,
     MetricsSource,

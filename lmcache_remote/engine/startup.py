@@ -9,10 +9,11 @@ INFO line when it starts (`announce`), formatted here (`startup_line`) and nowhe
   the vLLM scheduler's `PrefixLookup` (role `vllm scheduler`);
 - the line gives the lmcache-remote version, the role, the namespace (the model field of the
   keys), whether the native receive loop and row copier are on (and why not), the vLLM
-  version where vLLM is loaded, the KV layout found (vLLM worker), the most Redis connections
-  the component holds (`storage.connections`, docs/deploy.md), the codec threads and the CPUs
-  they follow, and the configuration with its secrets masked: the URL's passwords as `***`,
-  `integrity_key` only as `set` (never the key, nor where it is read from);
+  version where vLLM is loaded, the KV layout found (vLLM worker), the most Redis
+  connections the component holds (`storage.session.connection_count`, docs/deploy.md), the
+  codec threads and the CPUs they follow, and the configuration with its secrets masked: the
+  URL's passwords as `***`, `integrity_key` only as `set` (never the key, nor where it is
+  read from);
 - once per process for each role, namespace, key prefix and Redis: an engine built again in
   the same process (vLLM re-registering its caches, tests) stays quiet.
 
@@ -36,8 +37,8 @@ from lmcache_remote import native
 from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.engine.decision import LoadDecision
 from lmcache_remote.errors import ConfigError
-from lmcache_remote.storage.connections import ConnectionCount
-from lmcache_remote.storage.cpus import available_cpus
+from lmcache_remote.storage.local.cpus import available_cpus
+from lmcache_remote.storage.session.connection_count import ConnectionCount
 from lmcache_remote.version import __version__
 
 __all__ = ["announce", "check_native", "masked_config", "quiet", "startup_line"]
@@ -81,7 +82,7 @@ def masked_config(config: CacheConfig) -> dict[str, object]:
 def native_state() -> str:
     """``on`` or ``off (why)`` for the receive loop, and the same for the row copier."""
     from lmcache_remote import connectors
-    from lmcache_remote.storage import bulk
+    from lmcache_remote.storage.wire import bulk
 
     if native.wire is None:
         return f"native loop off, native rows off (C extension not built: {native.IMPORT_ERROR})"

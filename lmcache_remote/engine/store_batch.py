@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from lmcache_remote.naming.hashing import ChunkSpec
-from lmcache_remote.storage.manager import StorePlan
-from lmcache_remote.storage.memory import MemoryObj
+from lmcache_remote.storage.local.memory import MemoryObj
+from lmcache_remote.storage.manager.storage_manager import StorePlan
 
 
 class StoreBatch:

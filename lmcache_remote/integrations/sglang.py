@@ -70,7 +70,7 @@ from lmcache_remote.naming.fingerprint import (
 )
 from lmcache_remote.naming.keys import PageKey, engine_stats_key
 from lmcache_remote.storage.pages import PageStore
-from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
+from lmcache_remote.storage.session.publisher import FieldValue, StatsPublisher
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.values.serde import dtype_name
 

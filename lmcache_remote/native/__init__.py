@@ -1,7 +1,7 @@
 """The native layer: the optional C extension `lmcache_remote.native._wire` (the `_wire*.c`
 sources in this folder, one module), imported in one place, and `buffers` (a byte view's
 address). `wire` is the module, or None where it was not built (no compiler at install), and
-its users (storage/bulk.py's receive loop, connectors' row copies, serde's buffer addresses)
+its users (storage/wire/bulk.py's receive loop, connectors' row copies, serde's buffer addresses)
 then run their Python code.
 `xxh3` is the one XXH3-64 every Python caller uses (serde's checksums, the wire's seals).
 

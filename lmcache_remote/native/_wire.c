@@ -45,7 +45,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "lmcache_remote.native._wire",
-    "The native receive loop of the bulk data path (see storage/bulk.py) and the row copier\n"
+    "The native receive loop of the bulk data path (see storage/wire/bulk.py) and the row copier\n"
     "of connectors' PagedKV (see connectors/rows.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };

@@ -1,6 +1,6 @@
-"""Types of the C extension lmcache_remote.native._wire (the `_wire*.c` sources beside this file):
-the RESP loop (run_batch, see storage/bulk.py), the row copier (copy_rows, see connectors/rows.py),
-the bound XXH3-64 (bind_xxh3, xxh3) and `address`."""
+"""Types of the C extension lmcache_remote.native._wire (the `_wire*.c` sources beside this
+file): the RESP loop (run_batch, see storage/wire/bulk.py), the row copier (copy_rows, see
+connectors/rows.py), the bound XXH3-64 (bind_xxh3, xxh3) and `address`."""
 
 from collections.abc import Callable
 from typing import Any

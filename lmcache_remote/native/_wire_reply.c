@@ -10,7 +10,7 @@
  * error reply (-ERR ...) becomes make_error(text), an array reply (EXEC's, a script's) its
  * length or make_error(its first error element's text) (skim_array), a reply of no kind known
  * is ValueError;
- * semantics are those of RespReader (lmcache_remote/storage/resp.py).
+ * semantics are those of RespReader (lmcache_remote/storage/wire/resp.py).
  */
 #include "_wire_resp.h"
 

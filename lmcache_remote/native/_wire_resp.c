@@ -3,7 +3,7 @@
  * buffer), _wire_send.c (seals and the send path), _wire_reply.c (replies, places, records).
  *
  * One function, run_batch(), does what BulkPipeline._run_python does with the Python reader
- * (storage/resp.py's RespReader) for a batch of commands (each packed as bytes, or as a list
+ * (storage/wire/resp.py's RespReader) for a batch of commands (each packed as bytes, or as a list
  * of buffers whose big values are views of the caller's memory): it sends them, as the
  * replies come in when the replies are big (at most `inflight` reply bytes asked for and
  * unread), and parses every RESP reply, receiving each bulk string straight into its
@@ -16,7 +16,7 @@
  * threads), where giving the GIL back and taking it again per system call waited up to the
  * switch interval (5 ms) each time another thread was busy. With a callable sink (called per
  * bulk reply) the GIL is released around every system call instead. Semantics are those of
- * the Python reader (RespReader in storage/resp.py), which stays the fallback and the
+ * the Python reader (RespReader in storage/wire/resp.py), which stays the fallback and the
  * reference: the tests run both.
  *
  * A write batch may carry seals (_wire_send.c): checksums that the loop computes as it sends

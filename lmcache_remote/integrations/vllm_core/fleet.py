@@ -20,8 +20,8 @@ from collections.abc import Callable
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.engine.reporting import counter_fields, new_engine_id
 from lmcache_remote.naming.keys import engine_stats_key
-from lmcache_remote.storage.publisher import FieldValue, StatsPublisher
-from lmcache_remote.storage.remote_lookup import RemoteLookup
+from lmcache_remote.storage.chunks.lookup import RemoteLookup
+from lmcache_remote.storage.session.publisher import FieldValue, StatsPublisher
 from lmcache_remote.telemetry.metrics import Metrics, summed_counters
 
 __all__ = ["SCHEDULER_COUNTERS", "SCHEDULER_FIGURES", "SchedulerPublisher"]

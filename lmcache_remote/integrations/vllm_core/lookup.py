@@ -38,15 +38,15 @@ from lmcache_remote.errors import BackendError
 from lmcache_remote.integrations.vllm_core.groups import KVGroup, group_namespace
 from lmcache_remote.naming.hashing import ChunkSpec, KeyNamespace, chunk_hashes, tokens_to_array
 from lmcache_remote.naming.identity import RequestIdentity
-from lmcache_remote.storage.budget import (
+from lmcache_remote.storage.chunks.factory import make_remote_lookup
+from lmcache_remote.storage.chunks.lookup import RemoteLookup
+from lmcache_remote.storage.local.memory import ChunkLayout
+from lmcache_remote.storage.manager.budget import (
     fetchable_chunks,
     read_share_bytes,
     within_read_share,
 )
-from lmcache_remote.storage.connections import lookup_connections
-from lmcache_remote.storage.memory import ChunkLayout
-from lmcache_remote.storage.remote_lookup import RemoteLookup
-from lmcache_remote.storage.tiers import make_remote_lookup
+from lmcache_remote.storage.session.connection_count import lookup_connections
 from lmcache_remote.telemetry.figures import LinkFigures
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 

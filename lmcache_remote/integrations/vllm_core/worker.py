@@ -65,13 +65,13 @@ from lmcache_remote.integrations.vllm_core.settings import (
     KVGeometry,
     layer_view,
 )
-from lmcache_remote.storage.connections import (
+from lmcache_remote.storage.session.connection_count import (
     VLLM_WORKER_CALLERS,
     ConnectionCount,
     engine_connections,
 )
-from lmcache_remote.storage.deadline import call_deadline
-from lmcache_remote.storage.lanes import background_reads
+from lmcache_remote.storage.wire.deadline import call_deadline
+from lmcache_remote.storage.wire.lanes import background_reads
 from lmcache_remote.telemetry.metrics import RateLimitedLogger
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@
   ``places`` (page i's bytes where they lie, in pieces) and the raw codec without an
   `integrity_key`, each value is sent from there instead (`Serde.raw_header` over the
   pieces' checksums): no staging, no copy.
-- Each page is written in one atomic step, as a chunk is (`redis_commands.write_batch`: a
+- Each page is written in one atomic step, as a chunk is (`wire.commands.write_batch`: a
   multi-part page with an expiry is a transaction on a single server, a script on a
   cluster); with an `integrity_key` its value carries a MAC bound to the page key without
   its prefix.
@@ -23,21 +23,21 @@ import torch
 
 from lmcache_remote.errors import BackendError
 from lmcache_remote.naming.keys import PageKey
-from lmcache_remote.storage.bulk import Seal
-from lmcache_remote.storage.page_base import (
+from lmcache_remote.storage.chunks.value_checks import signer_for
+from lmcache_remote.storage.pages.base import (
     PageCopy,
     PagePlaces,
     PageStoreBase,
     cut_pieces,
     xxh3_of,
 )
-from lmcache_remote.storage.redis_commands import (
+from lmcache_remote.storage.wire.bulk import Seal
+from lmcache_remote.storage.wire.commands import (
     check_transactions,
     chunk_write_command,
-    value_nbytes,
     write_batch,
 )
-from lmcache_remote.storage.value_checks import signer_for
+from lmcache_remote.storage.wire.windows import value_nbytes
 from lmcache_remote.values.value_format import header_nbytes, header_seal
 
 

@@ -31,7 +31,7 @@ The memory budget (`max_local_cpu_size`, one `MemoryPool`) is shared by three ho
 
 So `leading_chunks` can promise what `fetch` delivers: it never reports more leading chunks
 than fit in the read share (`budget.read_share_bytes`: the budget less the queue's half), and
-a full local tier never stops a read. The remote tier is the one `tiers.make_remote_tier`
+a full local tier never stops a read. The remote tier is the one `chunks.factory.make_remote_tier`
 chooses for the configured URL.
 
 Remote failures never leave this class as exceptions: they become misses and dropped writes,
@@ -52,13 +52,15 @@ from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, BackendTimeoutError
 from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.naming.keys import CacheEngineKey
-from lmcache_remote.storage.access import check_access
-from lmcache_remote.storage.budget import queue_share_bytes, read_share_bytes, within_read_share
-from lmcache_remote.storage.local_cpu import LocalCPUTier
-from lmcache_remote.storage.memory import ChunkLayout, MemoryObj, MemoryPool
-from lmcache_remote.storage.pins import PinRefused, Pins, PinTarget
-from lmcache_remote.storage.tiers import make_remote_tier
-from lmcache_remote.storage.write_behind import (
+from lmcache_remote.storage.chunks.factory import make_remote_tier
+from lmcache_remote.storage.local.cpu_tier import LocalCPUTier
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryObj, MemoryPool
+from lmcache_remote.storage.manager.budget import (
+    queue_share_bytes,
+    read_share_bytes,
+    within_read_share,
+)
+from lmcache_remote.storage.manager.write_behind import (
     PendingWrites,
     WriteBehindQueue,
     note_remote_failure,
@@ -66,6 +68,8 @@ from lmcache_remote.storage.write_behind import (
     put_remote,
     timed,
 )
+from lmcache_remote.storage.session.access import check_access
+from lmcache_remote.storage.session.pins import PinRefused, Pins, PinTarget
 from lmcache_remote.telemetry.figures import LinkFigures
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 

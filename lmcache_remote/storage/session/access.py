@@ -29,8 +29,8 @@ from redis.cluster import RedisCluster
 from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.errors import BackendError, BackendPermissionError, BackendUnavailableError
 from lmcache_remote.naming.keys import probe_key
-from lmcache_remote.storage.client import make_client, translate
-from lmcache_remote.storage.redis_commands import chunk_write_command
+from lmcache_remote.storage.session.client import make_client, translate
+from lmcache_remote.storage.wire.commands import chunk_write_command
 
 #: Commands the engine sends (chunks: EXISTS GET SET MSET UNLINK, GETRANGE of the header of a
 #: chunk cut into other parts than planned; a multi-part chunk with `remote_ttl`: MULTI, MSET,

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.naming.keys import CacheEngineKey
-from lmcache_remote.storage.base import StorageTier
-from lmcache_remote.storage.memory import MemoryObj
+from lmcache_remote.storage.local.memory import MemoryObj
+from lmcache_remote.storage.tier import StorageTier
 from lmcache_remote.telemetry.metrics import Metrics
 
 

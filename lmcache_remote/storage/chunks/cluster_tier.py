@@ -33,13 +33,13 @@ from redis.cluster import RedisCluster
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendUnavailableError
 from lmcache_remote.naming.keys import CacheEngineKey
-from lmcache_remote.storage.bulk import Seal, apply_seals
-from lmcache_remote.storage.cluster_scatter import ClusterScatter, Command, Receive, failed
-from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
-from lmcache_remote.storage.redis_commands import chunk_write_command
-from lmcache_remote.storage.redis_tier import Allocator, RedisTier
-from lmcache_remote.storage.remote_lookup import RemoteLookup
-from lmcache_remote.storage.resp import Reply
+from lmcache_remote.storage.chunks.lookup import RemoteLookup
+from lmcache_remote.storage.chunks.redis_tier import Allocator, RedisTier
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
+from lmcache_remote.storage.session.cluster_scatter import ClusterScatter, Command, Receive, failed
+from lmcache_remote.storage.wire.bulk import Seal, apply_seals
+from lmcache_remote.storage.wire.commands import chunk_write_command
+from lmcache_remote.storage.wire.resp import Reply
 from lmcache_remote.telemetry.metrics import Metrics
 
 

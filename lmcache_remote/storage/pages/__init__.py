@@ -13,16 +13,16 @@ trip.
   With an `integrity_key` every value carries a MAC bound to that key, and only values whose
   MAC verifies are served.
 
-The store is put together from three parts, each with its contract: `page_base` (the state,
+The store is put together from three parts, each with its contract: `base` (the state,
 `present`, `delete`, `clear`, `close`, windows over lanes, staging, bounds and errors),
-`page_reads` (`read`) and `page_writes` (`write`).
+`reads` (`read`) and `writes` (`write`).
 """
 
 from __future__ import annotations
 
-from lmcache_remote.storage.page_base import WINDOW_BYTES, PageCopy, PagePlaces
-from lmcache_remote.storage.page_reads import PageReads
-from lmcache_remote.storage.page_writes import PageWrites
+from lmcache_remote.storage.pages.base import WINDOW_BYTES, PageCopy, PagePlaces
+from lmcache_remote.storage.pages.reads import PageReads
+from lmcache_remote.storage.pages.writes import PageWrites
 
 __all__ = ["WINDOW_BYTES", "PageCopy", "PagePlaces", "PageStore"]
 

@@ -19,15 +19,13 @@ round trip (`_keys`; the keys and packed `EXISTS` of the hot prefixes are kept b
   call goes through `RemoteCaller`: bounded by `remote_timeout`, one immediate retry on a
   broken connection, skipped at once while the health gate backs off.
 
-This is all the vLLM scheduler's lookup needs (`tiers.make_remote_lookup`); `RedisTier` adds
-the reads (`remote_reads`) and the writes (`remote_writes`).
+This is all the vLLM scheduler's lookup needs (`factory.make_remote_lookup`); `RedisTier` adds
+the reads (`reads`) and the writes (`writes`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -44,14 +42,19 @@ from lmcache_remote.errors import (
 )
 from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.naming.keys import CacheEngineKey, probe_key
-from lmcache_remote.storage.bulk import BulkPipeline, supports
-from lmcache_remote.storage.client import RemoteCaller, make_client
-from lmcache_remote.storage.cpus import available_cpus
-from lmcache_remote.storage.health import HealthGate
-from lmcache_remote.storage.memory import ChunkLayout
-from lmcache_remote.storage.redis_commands import listed_part_count
-from lmcache_remote.storage.resp import pack_command
-from lmcache_remote.storage.toucher import Toucher
+from lmcache_remote.storage.chunks.toucher import Toucher
+from lmcache_remote.storage.local.cpus import available_cpus
+from lmcache_remote.storage.local.memory import ChunkLayout
+from lmcache_remote.storage.session.client import (
+    RemoteCaller,
+    make_client,
+    shut_down_in_use,
+    sockets_in_use,
+)
+from lmcache_remote.storage.session.health import HealthGate
+from lmcache_remote.storage.wire.bulk import BulkPipeline, supports
+from lmcache_remote.storage.wire.commands import listed_part_count
+from lmcache_remote.storage.wire.resp import pack_command
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.values.serde import Serde
 from lmcache_remote.values.sizing import longest_value
@@ -79,25 +82,6 @@ ADMIT_SCRIPT = (
     "if c == 1 then redis.call('PEXPIRE', KEYS[#KEYS], ARGV[1]) end "
     "return c * 65536 + present"
 )
-
-
-def sockets_in_use(client: Any) -> list[socket.socket]:
-    """The sockets of the connections of `client`'s pool that some thread holds now (every
-    connection of a `BlockingConnectionPool`, which does not keep the two apart)."""
-    pool = getattr(client, "connection_pool", None)
-    in_use = getattr(pool, "_in_use_connections", None)
-    if in_use is None:
-        in_use = getattr(pool, "_connections", None) or ()
-    return [sock for conn in list(in_use)
-            if (sock := getattr(conn, "_sock", None)) is not None]
-
-
-def shut_down_in_use(client: Any) -> None:
-    """Shuts down (`socket.shutdown`, not close) every socket of `sockets_in_use`: a send or
-    receive blocked on it returns at once, and its descriptor cannot be reused meanwhile."""
-    for sock in sockets_in_use(client):
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
 
 
 class RemoteLookup:

@@ -19,6 +19,8 @@ explicit retry policy:
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -39,8 +41,8 @@ from lmcache_remote.errors import (
     BackendUnavailableError,
     ConfigError,
 )
-from lmcache_remote.storage.deadline import call_deadline
-from lmcache_remote.storage.health import HealthGate
+from lmcache_remote.storage.session.health import HealthGate
+from lmcache_remote.storage.wire.deadline import call_deadline
 from lmcache_remote.urls import RemoteURL, parse_remote_url
 
 T = TypeVar("T")
@@ -238,3 +240,22 @@ class RemoteCaller:
             if time.monotonic() - start > self.timeout / 2 or self.gate.closed:
                 raise  # too late, or the tier is closing (its connections were cut)
             return op()
+
+
+def sockets_in_use(client: Any) -> list[socket.socket]:
+    """The sockets of the connections of `client`'s pool that some thread holds now (every
+    connection of a `BlockingConnectionPool`, which does not keep the two apart)."""
+    pool = getattr(client, "connection_pool", None)
+    in_use = getattr(pool, "_in_use_connections", None)
+    if in_use is None:
+        in_use = getattr(pool, "_connections", None) or ()
+    return [sock for conn in list(in_use)
+            if (sock := getattr(conn, "_sock", None)) is not None]
+
+
+def shut_down_in_use(client: Any) -> None:
+    """Shuts down (`socket.shutdown`, not close) every socket of `sockets_in_use`: a send or
+    receive blocked on it returns at once, and its descriptor cannot be reused meanwhile."""
+    for sock in sockets_in_use(client):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)

@@ -10,10 +10,10 @@ the tier, the vLLM scheduler's lookup for the lookup.
 from __future__ import annotations
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.storage.cluster_tier import ClusterLookup, ClusterRedisTier
-from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
-from lmcache_remote.storage.redis_tier import Allocator, RedisTier
-from lmcache_remote.storage.remote_lookup import RemoteLookup
+from lmcache_remote.storage.chunks.cluster_tier import ClusterLookup, ClusterRedisTier
+from lmcache_remote.storage.chunks.lookup import RemoteLookup
+from lmcache_remote.storage.chunks.redis_tier import Allocator, RedisTier
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
 from lmcache_remote.telemetry.metrics import Metrics
 from lmcache_remote.urls import parse_remote_url
 

@@ -1,6 +1,6 @@
 """The read half of `RedisTier`: chunks out of Redis/Valkey, whole, checked, or not at all.
 
-- `get`: pipelined GETs in windows of about `redis_commands.WINDOW_BYTES` (with several
+- `get`: pipelined GETs in windows of about `wire.commands.WINDOW_BYTES` (with several
   `read_lanes`, that over the lanes, each window over its own connection, taken in order);
   each value is decoded and checked against the key (hash, dtype, shape, token count, every
   part's checksum). The first missing or bad chunk ends the run; a bad one is counted and
@@ -31,20 +31,16 @@ from lmcache_remote.errors import (
     UnauthenticatedEntryError,
 )
 from lmcache_remote.naming.hashing import ChunkSpec
-from lmcache_remote.storage import redis_commands
-from lmcache_remote.storage.arena import ArenaPool
-from lmcache_remote.storage.base import StorageTier
-from lmcache_remote.storage.deadline import call_deadline
-from lmcache_remote.storage.memory import MemoryObj
-from lmcache_remote.storage.redis_commands import (
-    IncompleteChunkError,
-    byte_windows,
-    read_ahead,
-    regroup,
-)
-from lmcache_remote.storage.remote_lookup import RemoteLookup
-from lmcache_remote.storage.resp import Reply
-from lmcache_remote.storage.value_checks import authenticate, stored_part
+from lmcache_remote.storage.chunks.lookup import RemoteLookup
+from lmcache_remote.storage.chunks.value_checks import authenticate, stored_part
+from lmcache_remote.storage.local.memory import MemoryObj
+from lmcache_remote.storage.tier import StorageTier
+from lmcache_remote.storage.wire import windows as wire_windows
+from lmcache_remote.storage.wire.arena import ArenaPool
+from lmcache_remote.storage.wire.commands import IncompleteChunkError, regroup
+from lmcache_remote.storage.wire.deadline import call_deadline
+from lmcache_remote.storage.wire.resp import Reply
+from lmcache_remote.storage.wire.windows import byte_windows, read_ahead
 from lmcache_remote.values.integrity import IntegrityKey
 from lmcache_remote.values.value_format import ValueHeader, check_identity, header_nbytes
 
@@ -86,7 +82,7 @@ class RemoteReads(RemoteLookup, StorageTier):
         `read_lanes`, windows of `WINDOW_BYTES / lanes` are fetched at once, each over its own
         connection, and taken in order (what follows a short window is released)."""
         lanes = self.read_lanes
-        windows = self._windows(specs, redis_commands.WINDOW_BYTES // max(1, lanes))
+        windows = self._windows(specs, wire_windows.WINDOW_BYTES // max(1, lanes))
         if lanes <= 1 or len(windows) <= 1:
             for window in windows:
                 got, complete = self._get_window(window)

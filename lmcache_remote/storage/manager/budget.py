@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.naming.hashing import ChunkSpec
-from lmcache_remote.storage.memory import ChunkLayout, leading_fit
+from lmcache_remote.storage.local.memory import ChunkLayout, leading_fit
 from lmcache_remote.telemetry.metrics import Metrics
 
 

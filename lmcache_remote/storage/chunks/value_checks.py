@@ -1,6 +1,6 @@
 """The checks a read applies to the values it received, and the MAC a write signs: one of each
-for the chunk tier (`remote_reads`, `remote_writes`) and the page store (`page_reads`,
-`page_writes`).
+for the chunk tier (`chunks.reads`, `chunks.writes`) and the page store (`pages.reads`,
+`pages.writes`).
 
 - `stored_part`: the stored bytes of one part of a value as it was received (a fresh buffer,
   or in place as the list of its place's buffers), its length checked against the header;

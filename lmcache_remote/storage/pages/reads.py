@@ -29,8 +29,8 @@ from lmcache_remote.errors import (
 )
 from lmcache_remote.naming.keys import PageKey
 from lmcache_remote.native.buffers import address
-from lmcache_remote.storage.deadline import call_deadline
-from lmcache_remote.storage.page_base import (
+from lmcache_remote.storage.chunks.value_checks import authenticate, stored_part
+from lmcache_remote.storage.pages.base import (
     PageCopy,
     PagePlaces,
     PageStoreBase,
@@ -38,8 +38,9 @@ from lmcache_remote.storage.page_base import (
     cut_pieces,
     xxh3_of,
 )
-from lmcache_remote.storage.redis_commands import IncompleteChunkError, read_ahead, regroup
-from lmcache_remote.storage.value_checks import authenticate, stored_part
+from lmcache_remote.storage.wire.commands import IncompleteChunkError, regroup
+from lmcache_remote.storage.wire.deadline import call_deadline
+from lmcache_remote.storage.wire.windows import read_ahead
 from lmcache_remote.values.value_format import ValueHeader, check_identity, header_nbytes
 
 #: Why a page whose MAC does not verify over intact parts is not served.

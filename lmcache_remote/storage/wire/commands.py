@@ -1,71 +1,20 @@
-"""The commands and byte accounting of the Redis tiers, apart from the tiers themselves.
+"""The commands of the Redis tiers, apart from the tiers themselves.
 
 What `RedisTier` and `ClusterRedisTier` (and the admin transfer and the access check) share:
-the one atomic command that writes a chunk (`chunk_write_command`) and its routing key, how a
-batch is cut into windows (`byte_windows`), how many reply bytes a read keeps asked ahead
-(`read_ahead`), the byte budget the write lanes share (`ByteBudget`), and the small readers of
-a chunk's replies (`regroup`, `listed_part_count`). Nothing here talks to Redis.
+the one atomic command that writes a chunk (`chunk_write_command`, `write_batch`) and its
+routing key (`command_key`), the checks of a transaction's replies, and the small readers of
+a chunk's replies (`regroup`, `listed_part_count`). How a batch is cut into windows and how
+many bytes are in flight is `windows`. Nothing here talks to Redis.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from lmcache_remote.errors import BackendError, CorruptEntryError
 from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.values.value_format import HEADER_FIXED, MAGIC, known_version
-
-#: Reply bytes asked for and not yet read on the fast read path, at most (`read_ahead`'s cap:
-#: for 32 MiB chunks a little over two of their 3.49 MiB parts), so Redis prepares the next
-#: reply while this side reads one, and never buffers a whole window.
-_T = TypeVar("_T")
-#: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
-#: enough that the encoded values and receive arena of one batch stay a modest memory cost.
-WINDOW_BYTES = 64 * 1024 * 1024
-INFLIGHT_BYTES = 8 * 1024 * 1024
-#: Chunks asked for and not yet read per read connection (`read_ahead`).
-READ_AHEAD_CHUNKS = 2
-
-
-def read_ahead(chunk_sizes: Sequence[int]) -> int:
-    """The reply bytes to keep asked for and unread while receiving chunks of these sizes
-    (each the bytes of all its values): two of the largest chunks (the one being read and the
-    next), at most `INFLIGHT_BYTES`. Counted in chunks, not values: a 1 MiB chunk is a
-    1,044,160-byte head and a 4,416-byte tail, and two of the largest values fell 4 KiB
-    short of two chunks, so only one was ever asked ahead (0.7x the speed of two, in a side
-    run). More only makes Redis copy replies into its output buffers ahead of the socket,
-    which costs it CPU on every byte (1 MiB chunks, 4 lanes: 8 MiB ahead read at 0.8x the
-    speed of 2 MiB)."""
-    return min(INFLIGHT_BYTES, READ_AHEAD_CHUNKS * max(chunk_sizes, default=0))
-
-
-class ByteBudget:
-    """A byte count that threads take from and give back; `acquire` waits while the budget
-    would go negative, except that a request passes when nothing is taken (so one window
-    larger than the whole budget still goes, alone)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self._total = nbytes
-        self._taken = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        with self._cond:
-            while self._taken and self._taken + nbytes > self._total:
-                self._cond.wait()
-            self._taken += nbytes
-
-    def release(self, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        with self._cond:
-            self._taken -= nbytes
-            self._cond.notify_all()
-
 
 #: Writes every part of a chunk with the same expiry in one atomic step (a script runs whole).
 SET_PARTS_PX = (
@@ -186,33 +135,3 @@ def listed_part_count(spec: ChunkSpec, head: Any) -> int | None:
             or chunk_hash != spec.key.hash_bytes or part_count < 1):
         return None
     return int(part_count)
-
-
-def byte_windows(sizes: Sequence[int], window_bytes: int) -> list[range]:
-    """Consecutive runs of indexes into `sizes`, each closed once it holds ``window_bytes``
-    (so at least one item): the windows of a put or a get."""
-    return [range(w[0], w[-1] + 1)
-            for w in iter_windows(range(len(sizes)), sizes.__getitem__, window_bytes)]
-
-
-def iter_windows(items: Iterable[_T], size_of: Callable[[_T], int], window_bytes: int
-                 ) -> Iterator[list[_T]]:
-    """The items in consecutive windows, each closed once its items' ``size_of`` add up to
-    ``window_bytes`` (so at least one item), the last one with what is left; lazily, for a
-    stream of items (an export's scan, an import's records)."""
-    window: list[_T] = []
-    size = 0
-    for item in items:
-        window.append(item)
-        size += size_of(item)
-        if size >= window_bytes:
-            yield window
-            window, size = [], 0
-    if window:
-        yield window
-
-
-def value_nbytes(value: Any) -> int:
-    if isinstance(value, tuple):
-        return sum(len(memoryview(v)) for v in value)
-    return len(memoryview(value))

@@ -41,13 +41,13 @@ from redis.cluster import RedisCluster
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, BackendUnavailableError
 from lmcache_remote.naming.keys import PageKey, page_scan_pattern
-from lmcache_remote.storage.bulk import BulkPipeline, Seal, supports
-from lmcache_remote.storage.client import RemoteCaller, make_client
-from lmcache_remote.storage.cluster_scatter import ClusterScatter, ClusterWire
-from lmcache_remote.storage.deadline import call_deadline
-from lmcache_remote.storage.health import HealthGate
-from lmcache_remote.storage.memory import MemoryObj, MemoryPool
-from lmcache_remote.storage.redis_commands import byte_windows
+from lmcache_remote.storage.local.memory import MemoryObj, MemoryPool
+from lmcache_remote.storage.session.client import RemoteCaller, make_client
+from lmcache_remote.storage.session.cluster_scatter import ClusterScatter, ClusterWire
+from lmcache_remote.storage.session.health import HealthGate
+from lmcache_remote.storage.wire.bulk import BulkPipeline, Seal, supports
+from lmcache_remote.storage.wire.deadline import call_deadline
+from lmcache_remote.storage.wire.windows import byte_windows
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 from lmcache_remote.values.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.values.serde import Serde

@@ -41,12 +41,16 @@ from redis.exceptions import AskError, MovedError, TryAgainError
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, BackendUnavailableError
-from lmcache_remote.storage.bulk import BulkPipeline, Seal
-from lmcache_remote.storage.client import RemoteCaller, make_client, translate
-from lmcache_remote.storage.health import HealthGate
-from lmcache_remote.storage.redis_commands import command_key
-from lmcache_remote.storage.remote_lookup import shut_down_in_use
-from lmcache_remote.storage.resp import Reply, Sink
+from lmcache_remote.storage.session.client import (
+    RemoteCaller,
+    make_client,
+    shut_down_in_use,
+    translate,
+)
+from lmcache_remote.storage.session.health import HealthGate
+from lmcache_remote.storage.wire.bulk import BulkPipeline, Seal
+from lmcache_remote.storage.wire.commands import command_key
+from lmcache_remote.storage.wire.resp import Reply, Sink
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 from lmcache_remote.errors import BackendError, BackendPermissionError
 from lmcache_remote.naming.keys import CacheEngineKey
-from lmcache_remote.storage.memory import MemoryObj, leading_fit
-from lmcache_remote.storage.redis_tier import RedisTier
+from lmcache_remote.storage.chunks.redis_tier import RedisTier
+from lmcache_remote.storage.local.memory import MemoryObj, leading_fit
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)

@@ -3,10 +3,10 @@
 The remote tier over one server (plain, TLS, a UNIX socket, a Sentinel-managed master), put
 together from three parts, each with its contract:
 
-- `remote_lookup.RemoteLookup`: the chunk keys, `contains`, the LRU refreshes, the health
+- `lookup.RemoteLookup`: the chunk keys, `contains`, the LRU refreshes, the health
   gate and the caller every call goes through;
-- `remote_reads.RemoteReads`: `get`, checked reads into the chunk's own memory;
-- `remote_writes.RemoteWrites`: `put_each`, atomic writes over several lanes.
+- `reads.RemoteReads`: `get`, checked reads into the chunk's own memory;
+- `writes.RemoteWrites`: `put_each`, atomic writes over several lanes.
 
 Here: the tier's state (memory, lanes, budget, integrity key), `delete`, and `close`. A Redis
 Cluster has its own tier on the same parts (`cluster_tier.ClusterRedisTier`).
@@ -24,14 +24,14 @@ import redis
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.naming.keys import CacheEngineKey
-from lmcache_remote.storage import redis_commands
-from lmcache_remote.storage.arena import ArenaPool
-from lmcache_remote.storage.lanes import LanePool
-from lmcache_remote.storage.memory import ChunkLayout, MemoryPool
-from lmcache_remote.storage.redis_commands import ByteBudget
-from lmcache_remote.storage.remote_lookup import RemoteLookup
-from lmcache_remote.storage.remote_reads import Allocator, RemoteReads
-from lmcache_remote.storage.remote_writes import RemoteWrites
+from lmcache_remote.storage.chunks.lookup import RemoteLookup
+from lmcache_remote.storage.chunks.reads import Allocator, RemoteReads
+from lmcache_remote.storage.chunks.writes import RemoteWrites
+from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
+from lmcache_remote.storage.wire import windows as wire_windows
+from lmcache_remote.storage.wire.arena import ArenaPool
+from lmcache_remote.storage.wire.lanes import LanePool
+from lmcache_remote.storage.wire.windows import ByteBudget
 from lmcache_remote.telemetry.metrics import Metrics
 from lmcache_remote.values.integrity import IntegrityKey, load_integrity_key
 from lmcache_remote.values.sizing import max_part_count
@@ -80,7 +80,7 @@ class RedisTier(RemoteWrites, RemoteReads):
         self._writers: ThreadPoolExecutor | None = None
         self._readers: LanePool | None = None  # the step's reads before background ones
         self._receivers: ThreadPoolExecutor | None = None  # runs received while others check
-        self._write_budget = ByteBudget(redis_commands.WINDOW_BYTES)
+        self._write_budget = ByteBudget(wire_windows.WINDOW_BYTES)
 
     def _lane_pool(self, name: str, lanes: int) -> Any:
         """The lane threads ``name``, started on first use: ``_writers`` or ``_receivers`` (an

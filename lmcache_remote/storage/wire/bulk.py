@@ -67,8 +67,8 @@ from redis.exceptions import ResponseError
 
 from lmcache_remote.native import DIGESTS, xxh3
 from lmcache_remote.native import wire as _native  # the C loop, or None: Python does it all
-from lmcache_remote.storage.deadline import current as _deadline
-from lmcache_remote.storage.resp import (
+from lmcache_remote.storage.wire.deadline import current as _deadline
+from lmcache_remote.storage.wire.resp import (
     COALESCE,
     MAX_BULK,
     BytesLike,

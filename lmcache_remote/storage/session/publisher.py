@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.storage.client import translate
-from lmcache_remote.storage.health import HealthGate
-from lmcache_remote.storage.pins import SWEEP_INTERVAL
+from lmcache_remote.storage.session.client import translate
+from lmcache_remote.storage.session.health import HealthGate
+from lmcache_remote.storage.session.pins import SWEEP_INTERVAL
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)

@@ -22,19 +22,14 @@ from typing import Any
 
 from lmcache_remote.errors import BackendError
 from lmcache_remote.naming.keys import CacheEngineKey
-from lmcache_remote.storage import redis_commands
-from lmcache_remote.storage.base import StorageTier
-from lmcache_remote.storage.bulk import Seal
-from lmcache_remote.storage.memory import MemoryObj
-from lmcache_remote.storage.redis_commands import (
-    ByteBudget,
-    byte_windows,
-    check_transactions,
-    value_nbytes,
-    write_batch,
-)
-from lmcache_remote.storage.remote_lookup import RemoteLookup
-from lmcache_remote.storage.value_checks import signer_for
+from lmcache_remote.storage.chunks.lookup import RemoteLookup
+from lmcache_remote.storage.chunks.value_checks import signer_for
+from lmcache_remote.storage.local.memory import MemoryObj
+from lmcache_remote.storage.tier import StorageTier
+from lmcache_remote.storage.wire import windows as wire_windows
+from lmcache_remote.storage.wire.bulk import Seal
+from lmcache_remote.storage.wire.commands import check_transactions, write_batch
+from lmcache_remote.storage.wire.windows import ByteBudget, byte_windows, value_nbytes
 from lmcache_remote.values.integrity import IntegrityKey
 from lmcache_remote.values.value_format import header_seal
 
@@ -63,7 +58,7 @@ class RemoteWrites(RemoteLookup, StorageTier):
         if not keys:
             return []
         lanes = self.write_lanes if self.wire is not None else 1
-        windows = self._write_windows(objs, redis_commands.WINDOW_BYTES // lanes)
+        windows = self._write_windows(objs, wire_windows.WINDOW_BYTES // lanes)
         pairs = list(zip(keys, objs, strict=True))
         landed = [False] * len(keys)
         error: BaseException | None = None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from lmcache_remote.config import CacheConfig
-from lmcache_remote.storage.cluster_scatter import MAX_THREADS as CLUSTER_NODE_THREADS
+from lmcache_remote.storage.session.cluster_scatter import MAX_THREADS as CLUSTER_NODE_THREADS
 from lmcache_remote.urls import parse_remote_url
 
 __all__ = ["ConnectionCount", "engine_connections", "fleet_connections", "lookup_connections",

@@ -1,0 +1,14 @@
+"""Chunks in Redis: the remote tier of `CacheEngine`.
+
+- `lookup`: `RemoteLookup`, which chunks a server holds (keys, `contains`, values found
+  foreign, LRU refreshes, admission counts): all the vLLM scheduler needs;
+- `reads`: `get`, whole chunks, checked, or none; `writes`: `put_each`, each chunk whole or
+  absent; `value_checks`: the checks of received values and the MAC a write signs (shared
+  with `pages`);
+- `redis_tier`: `RedisTier`, a server's tier (its state, `delete`, its lanes);
+  `cluster_tier`: `ClusterRedisTier` and `ClusterLookup`, chunks over a cluster (a down shard
+  is its own misses); `toucher`: LRU refreshes of chunks served locally;
+- `factory`: `make_remote_tier`, `make_remote_lookup`, the tier a `remote_url` names.
+
+Every tier keeps `storage.tier.StorageTier`.
+"""
