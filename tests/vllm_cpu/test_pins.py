@@ -57,8 +57,9 @@ def engines(model_dir: Path, server: RedisServer,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     fleet = Fleet(model_dir, server.url, tmp_path_factory.mktemp("pins"),
                   {"in_process": False})  # kv_transfer_params cross to the engine core
-    fleet.engine("reference", connector=False, prefix_caching=True, block_size=64,
-                 in_process=True)  # no connector: nothing of it crosses a process
+    # (the reference too: an engine in one process computes other floats here than one in
+    # vLLM's processes, and the checks compare them bit for bit)
+    fleet.engine("reference", connector=False, prefix_caching=True, block_size=64)
     fleet.engine("admit", connector={"store_after": 2, "store_async": False},
                  prefix_caching=False)
     yield fleet
