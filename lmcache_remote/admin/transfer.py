@@ -42,9 +42,8 @@ from lmcache_remote.naming.keys import (
     split_part_key,
 )
 from lmcache_remote.storage.wire.commands import chunk_write_command
-from lmcache_remote.storage.wire.windows import iter_windows
+from lmcache_remote.storage.wire.windows import WINDOW_BYTES, iter_windows
 
-WINDOW_BYTES = 64 * 1024 * 1024
 Progress = Callable[[int], None] | None
 
 
