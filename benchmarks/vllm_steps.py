@@ -86,7 +86,7 @@ def store_prefix(model: Any, url: str, prefix: str) -> None:
 
 
 def in_flight(engine: rig.Instance) -> bool:
-    background = [r.connector._worker._background for r in engine.ranks
+    background = [r.connector._worker.side._background for r in engine.ranks
                   if r.connector is not None]
     return any(b._recving or any(not f.done() for fs in b._saving.values() for f in fs)
                for b in background)

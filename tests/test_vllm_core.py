@@ -496,3 +496,54 @@ def test_a_failed_load_is_promised_twice_at_most_and_a_down_link_not_at_all() ->
     assert s.num_new_matched_tokens("o", prompt, 0) == 1024
     s.finish("r")
     assert s.num_new_matched_tokens("r", prompt, 0) == 1024  # a new request of that id
+
+
+def test_both_worker_sides_are_one_interface(private_redis, caplog) -> None:
+    """`WorkerSide` and `GroupedWorker` are both `KVWorker`s: every member of the protocol is
+    implemented by each (none left to the protocol's empty body) and documented, and
+    `register_caches` proves the layout with the write op `writer_for` gives for the first
+    layer. Caches of another geometry than the spec's are served but said at WARNING."""
+    import inspect
+    import logging
+
+    from lmcache_remote.integrations.vllm_core import KVGeometry, KVWorker
+    from lmcache_remote.integrations.vllm_core.worker_groups import GroupedWorker
+
+    members = [name for name, _ in inspect.getmembers(KVWorker) if not name.startswith("_")]
+    assert {"register_caches", "finished_loads", "take_load_errors", "report"} <= set(members)
+    for cls in (WorkerSide, GroupedWorker):
+        assert KVWorker in cls.__mro__
+        for name in members:
+            assert name in {m for c in cls.__mro__[:cls.__mro__.index(KVWorker)]
+                            for m in vars(c)}, (cls.__name__, name)
+            assert inspect.getdoc(getattr(cls, name)), (cls.__name__, name)
+
+    config = {"remote_url": private_redis.url, "chunk_size": C, "store_async": False,
+              "local_cpu": False, "stats_publish_interval": None}
+    caches = {f"l{i}": torch.randn(20, 2, B, 16).to(torch.bfloat16) for i in range(2)}
+    asked: list[tuple[str, bool]] = []
+
+    def writer_for(name: str, tensor: torch.Tensor, use_mla: bool) -> object:
+        asked.append((name, use_mla))
+        return packed_writer(tensor)
+
+    spec = KVGeometry(2, 2, 8, torch.bfloat16, False)  # what the caches hold
+    side = WorkerSide(load_settings(config), "m", 1, 0, spec=spec, block_size=B)
+    with caplog.at_level(logging.WARNING, logger="lmcache_remote.integrations"):
+        side.register_caches(caches, writer_for)
+    assert asked == [("l0", False)] and side.disabled is None and side.registered
+    assert side.geometry == spec and "lookups will miss" not in caplog.text
+    assert side.finished_loads() == (set(), set())
+    side.close()
+
+    other = WorkerSide(load_settings(config), "m", 1, 0, block_size=B,
+                       spec=KVGeometry(2, 4, 8, torch.bfloat16, False))
+    with caplog.at_level(logging.WARNING, logger="lmcache_remote.integrations"):
+        other.register_caches(caches, writer_for)
+    assert other.registered and "lookups will miss" in caplog.text
+    other.close()
+
+    broken = WorkerSide(load_settings(config), "m", 1, 0, spec=spec, block_size=B)
+    broken.register_caches(caches, lambda name, tensor, use_mla: None)  # no op: unproven
+    assert broken.disabled is not None and not broken.registered
+    broken.close()

@@ -240,8 +240,8 @@ def test_state_pages_it_cannot_read_turn_the_rank_off_not_vllm() -> None:
 
     group = mamba(0)
     worker = GroupedWorker(load_settings({"remote_url": None}), "m", 1, 0, [group], B)
-    worker.register({name: torch.zeros(4, 128, 140, dtype=torch.bfloat16)
-                     for name in group.layer_names}, lambda name, tensor: None)
+    worker.register_caches({name: torch.zeros(4, 128, 140, dtype=torch.bfloat16)
+                            for name in group.layer_names}, lambda name, tensor, mla: None)
     assert worker.disabled and "state pages" in worker.disabled and not worker.registered
     plan = RequestPlan("r", list(range(256)), slot_mapping([0, 2], B, 256), None,
                        Span(128, 128, 256), None, async_load=True, group=0)

@@ -525,7 +525,7 @@ class Instance:
 
     def wait_for_background(self, deadline: float, *, every: bool = False) -> None:
         """Wait until one (or `every`) background load or store of the workers is over."""
-        workers = [r.connector._worker for r in self.ranks if r.connector is not None]
+        workers = [r.connector._worker.side for r in self.ranks if r.connector is not None]
         background = [side._background for w in workers
                       for side in getattr(w, "sides", [w])]
         pending = [f for b in background for f in b._recving.values()]
@@ -551,7 +551,7 @@ class Instance:
         return self.scheduler.connector
 
     def worker_engine(self, rank: int = 0) -> Any:
-        return self.ranks[rank].connector._worker.engine
+        return self.ranks[rank].connector._worker.side.engine
 
     def close(self) -> None:
         for rank in self.ranks:

@@ -27,7 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.engine import FinishReason
 
 from lmcache_remote import ConfigError
-from lmcache_remote.integrations.vllm import LmcrConnector
+from lmcache_remote.integrations.vllm import LmcrConnector, LmcrConnectorMetadata
+from lmcache_remote.integrations.vllm.sides import ServedScheduler, ServedWorker, WrongRole
 from lmcache_remote.integrations.vllm_core import KVGeometry
 
 Engines = Callable[..., Instance]
@@ -54,8 +55,8 @@ def test_vllm_builds_both_roles_through_its_factory(engines: Engines) -> None:
     engine = engines()
     sched, worker = engine.scheduler_connector, engine.ranks[0].connector
     assert type(sched) is LmcrConnector and type(worker) is LmcrConnector
-    assert sched._scheduler is not None and sched._worker is None
-    assert worker._worker is not None and worker._scheduler is None
+    assert type(sched._scheduler) is ServedScheduler and type(sched._worker) is WrongRole
+    assert type(worker._worker) is ServedWorker and type(worker._scheduler) is WrongRole
     assert not getattr(LmcrConnector, "__abstractmethods__", set())
     for name, base in inspect.getmembers(KVConnectorBase_V1, inspect.isfunction):
         ours = getattr(LmcrConnector, name)
@@ -322,7 +323,7 @@ def test_aborted_request_is_forgotten_and_the_engine_goes_on(
     engine.abort("gone")
     out = engine.step()
     assert "gone" in out.finished_req_ids and out.kv_connector_metadata.requests == []
-    assert engine.scheduler_connector._scheduler._trackers == {}
+    assert engine.scheduler_connector._scheduler.side._trackers == {}
     assert len(chunk_keys(redis_client, key_prefix)) == 2
     prefill(engine, "next", tokens)
     assert retrieved(engine) == 2 * CHUNK  # its own worker tier, from the aborted prefill
@@ -363,7 +364,7 @@ def test_layerwise_stores_copy_each_layer_inside_save_kv_layer(engines: Engines,
 
 def _delete_chunk(client: redis.Redis, key_prefix: str, engine: Instance, tokens: list[int],
                   index: int) -> None:
-    lookup = engine.scheduler_connector._lookup
+    lookup = engine.scheduler_connector._scheduler.lookup
     ns = lookup.namespaces[0]
     from lmcache_remote.naming.hashing import TokenDatabase
 
@@ -434,7 +435,7 @@ def test_corrupt_chunk_fails_only_its_blocks_and_later_ones(
     tokens = prompt(800, seed=13)
     prefill(engines(store_async=False, serde="raw"), "r1", tokens)
     b = engines(local_cpu=False)
-    ns = b.scheduler_connector._lookup.namespaces[0]
+    ns = b.scheduler_connector._scheduler.lookup.namespaces[0]
     from lmcache_remote.naming.hashing import TokenDatabase
 
     key = TokenDatabase(ns, CHUNK, False).prefix_keys(tokens)[1].key.redis_key(key_prefix)
@@ -454,15 +455,15 @@ def test_corrupt_chunk_fails_only_its_blocks_and_later_ones(
 def test_mla_is_detected_from_the_kv_cache_spec(engines: Engines, layout: str,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     tokens = prompt(600, seed=14)
-    with caplog.at_level(logging.WARNING, logger="lmcache_remote.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_remote.integrations"):
         a = engines(mla=True, layout="LBNHC", store_async=False)
         b = engines(mla=True, layout=layout, local_cpu=False)
     assert not any("lookups will miss" in r.getMessage() for r in caplog.records)
     cache = b.ranks[0].caches[NAMES[0]]
     assert cache.dim() == 4 and cache.shape[1] == 1 and cache.shape[3] == rig.MLA_DIM
     want = KVGeometry(rig.LAYERS, 1, rig.MLA_DIM, torch.bfloat16, True)
-    assert b.ranks[0].connector._worker.geometry == want
-    assert b.scheduler_connector._geometry == want
+    assert b.ranks[0].connector._worker.side.geometry == want
+    assert b.scheduler_connector._scheduler.geometry == want
     prefill(a, "r1", tokens)
     prefill(b, "r2", tokens)
     assert retrieved(b) == 2 * CHUNK
@@ -557,7 +558,7 @@ def test_a_token_counts_only_when_every_rank_holds_it(
     prefill(engines(tp=2, store_async=False), "r1", tokens)
     b = engines(tp=2, local_cpu=False)
     rank1 = [k for k in chunk_keys(redis_client, key_prefix) if ":2:1:" in k]
-    lookup = b.scheduler_connector._lookup
+    lookup = b.scheduler_connector._scheduler.lookup
     from lmcache_remote.naming.hashing import TokenDatabase
 
     second = TokenDatabase(lookup.namespaces[1], CHUNK, False).prefix_keys(tokens)[1]
@@ -590,7 +591,7 @@ def test_scheduler_side_is_no_engine(engines: Engines, redis_client: redis.Redis
     roles = sorted(redis_client.hget(k, "role") or b"engine" for k in engines_keys)
     assert roles == [b"engine", b"scheduler"]  # ... the scheduler publishes its own figures
     assert len(metrics._SOURCES) - before_sources == 1
-    assert sched._lookup is not None and sched._lookup.metrics.counters()["lookup.requests"] >= 1
+    assert sched._scheduler.lookup.metrics.counters()["lookup.requests"] >= 1
     # built alone, as vLLM's Scheduler builds it, and asked: not one thread of its own
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -640,7 +641,7 @@ def test_requests_named_by_more_than_their_tokens(engines: Engines, tmp_path: Pa
     tokens = prompt(600, seed=20)
     engine = engines(store_async=False)
     sched = engine.scheduler_connector
-    side = sched._scheduler_side()
+    side = sched._scheduler.side
 
     def ask(req_id: str, ids: list[int] | None = tokens, **more: object) -> object:
         return sched.get_num_new_matched_tokens(
@@ -723,19 +724,61 @@ def check_pass_through(engine: Instance, config: Any, role: Any, said: str, agai
     assert f"LmcrConnector passes this model through: {said}" in caplog.text
     if role == KVConnectorRole.SCHEDULER:
         assert connector.get_num_new_matched_tokens(again, 0) == (0, False)
+        assert connector.may_load_async(again) is False
         assert connector.request_finished(again, [1, 2, 3]) == (False, None)
         assert connector.request_finished_all_groups(again, ([1, 2, 3],)) == (False, None)
+        assert connector.reset_cache() is None
     else:
         connector.register_kv_caches(engine.ranks[0].caches)
+        connector.bind_connector_metadata(LmcrConnectorMetadata([], {"again"}, "m"))
+        connector.handle_preemptions(LmcrConnectorMetadata([], {"again"}, "m"))
+        connector.start_load_kv(None)
+        for name in engine.ranks[0].caches:
+            connector.wait_for_layer_load(name)
+            connector.save_kv_layer(name, engine.ranks[0].caches[name], None)
+        connector.wait_for_save()
+        assert connector.build_connector_worker_meta() is None
         assert connector.get_finished({"again"}) == (None, None)
+        results = connector.get_transfer_results({"again"})
+        assert not (results.finished_sending or results.finished_recving
+                    or results.failed_recving)
         assert connector.get_block_ids_with_load_errors() == set()
+    assert connector.get_kv_connector_stats() is None
     connector.shutdown()
+
+
+def test_each_hook_has_its_contract_and_a_wrong_role_raises(engines: Engines) -> None:
+    """Every hook of the two sides' protocols states its contract (`sides`), and each is a
+    method of `LmcrConnector`; a worker hook called on the scheduler's connector, or a
+    scheduler hook on a worker's, raises RuntimeError (a caller's bug), never answers."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from lmcache_remote.integrations.vllm.sides import SchedulerHooks, WorkerHooks
+
+    for protocol in (SchedulerHooks, WorkerHooks):
+        for name, member in vars(protocol).items():
+            if not name.startswith("_") and callable(member):
+                assert inspect.getdoc(member), name
+                own = {"stats_sources": "get_kv_connector_stats", "close": "shutdown",
+                       "transfers": "get_transfer_results"}.get(name, name)
+                assert callable(getattr(LmcrConnector, own, None)), name
+    engine = engines(store_async=False)
+    with pytest.raises(RuntimeError, match="worker hook called on the scheduler"):
+        engine.scheduler_connector.wait_for_save()
+    with pytest.raises(RuntimeError, match="worker hook called on the scheduler"):
+        engine.scheduler_connector.get_finished(set())
+    worker = engine.ranks[0].connector
+    request = Request("r", prompt(300, seed=3), SamplingParams(max_tokens=1), None)
+    with pytest.raises(RuntimeError, match="scheduler hook called on the worker"):
+        worker.get_num_new_matched_tokens(request, 0)
+    assert worker.reset_cache() is None  # vLLM may ask any connector; a worker resets nothing
 
 
 # -- asynchronous loads ------------------------------------------------------------------------
 
 def _pool_used(engine: Instance) -> list[int]:
-    return [rank.connector._worker.engine.storage.pool.used_bytes for rank in engine.ranks]
+    return [rank.connector._worker.side.engine.storage.pool.used_bytes for rank in engine.ranks]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -823,7 +866,7 @@ def test_a_load_that_always_fails_is_promised_at_most_twice(
     tokens = prompt(1400, seed=61)
     prefill(engines(store_async=False), "r1", tokens)
     b = engines(local_cpu=False, store_async=False, async_load_min_tokens=async_min)
-    ns = b.scheduler_connector._lookup.namespaces[0]
+    ns = b.scheduler_connector._scheduler.lookup.namespaces[0]
     key = TokenDatabase(ns, CHUNK, False).prefix_keys(tokens)[0].key.redis_key(key_prefix)
     redis_client.setrange(key, 4, b"\x02")
     b.add("r2", tokens, max_tokens=2)
@@ -945,10 +988,10 @@ def test_an_unproven_layout_turns_the_connector_off_and_inference_goes_on(
     with caplog.at_level(logging.ERROR):
         b = engines(local_cpu=False)
     assert any("connector OFF" in r.getMessage() for r in caplog.records)
-    assert b.ranks[0].connector._worker.disabled is not None
+    assert b.ranks[0].connector._worker.side.disabled is not None
     _failed_then_recomputed(b, "r2", tokens)  # the hit claimed in step 1 fails
     assert b.worker_engine() is None
-    assert b.scheduler_connector._scheduler.can_load is False
+    assert b.scheduler_connector._scheduler.side.can_load is False
     prefill(b, "r3", tokens)  # no claim now: a plain prefill
     assert chunk_keys(redis_client, key_prefix) == stored  # nothing stored by b
 
@@ -1033,7 +1076,7 @@ def test_images_are_named_by_content_by_default(engines: Engines) -> None:
                        mm_features=[feature])
 
     def names(engine: Instance, *reqs: Request) -> list[object]:
-        return [engine.scheduler_connector._names.name(r)[1] for r in reqs]
+        return [engine.scheduler_connector._scheduler.names.name(r)[1] for r in reqs]
 
     content = engines(store_async=False)
     x, forged, same_pixels = names(content, request("x", "uuid-1", 1.0),

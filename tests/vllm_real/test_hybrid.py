@@ -37,7 +37,7 @@ def run(engine: Instance, req_id: str, tokens: list[int], max_tokens: int = 2) -
 
 def loaded(engine: Instance) -> int:
     return sum(int(e.stats()["engine"].get("retrieved_tokens", 0))
-               for e in engine.ranks[0].connector._worker.engines)
+               for e in engine.ranks[0].connector._worker.side.engines)
 
 
 def group_keys(client: redis.Redis, prefix: str) -> dict[str, int]:
@@ -126,7 +126,7 @@ def test_request_finished_all_groups_and_the_multi_group_metadata(
 
 def _unlink_chunk(client: redis.Redis, prefix: str, engine: Instance, tokens: list[int],
                   group: int, index: int) -> None:
-    lookup = engine.scheduler_connector._lookup
+    lookup = engine.scheduler_connector._scheduler.lookup
     ns = lookup._group_namespaces[group][0]
     spec = TokenDatabase(ns, lookup.chunk_size, False).prefix_keys(tokens)[index]
     keys = list(client.scan_iter(match=spec.key.redis_key(prefix) + "*"))
@@ -147,7 +147,7 @@ def test_a_failed_load_fails_the_request_not_blocks_and_is_recomputed(
     reader.run(["r"])
     assert reader.finished["r"] == FinishReason.LENGTH and reader.bad_reads == []
     assert not any(reader.invalid_blocks)
-    counters = reader.scheduler_connector._scheduler.metrics.counters()
+    counters = reader.scheduler_connector._scheduler.side.metrics.counters()
     assert counters["vllm.failed_load_requests"] == 1
 
 
@@ -156,7 +156,7 @@ def test_a_corrupt_chunk_in_the_window_is_a_recompute_and_a_shorter_hit(
     tokens = prompt(700, seed=34)
     run(engines(windows=ALL_SWA, store_async=False, serde="raw"), "w", tokens)
     reader = engines(windows=ALL_SWA, local_cpu=False)
-    ns = reader.scheduler_connector._lookup._group_namespaces[0][0]
+    ns = reader.scheduler_connector._scheduler.lookup._group_namespaces[0][0]
     spec = TokenDatabase(ns, 64, False).prefix_keys(tokens)[9]  # in the window of a 640 hit
     key = spec.key.redis_key(key_prefix)
     value = bytearray(redis_client.get(key))
@@ -165,12 +165,12 @@ def test_a_corrupt_chunk_in_the_window_is_a_recompute_and_a_shorter_hit(
     reader.add("r", tokens, max_tokens=2)
     reader.run(["r"])
     assert reader.finished["r"] == FinishReason.LENGTH and reader.bad_reads == []
-    counters = reader.scheduler_connector._scheduler.metrics.counters()
+    counters = reader.scheduler_connector._scheduler.side.metrics.counters()
     assert counters["vllm.failed_load_requests"] == 1
     # the corrupt chunk was dropped; the next promise was the hit at 576, whose window held;
     # the recompute stored the chunk again, sound
     assert loaded(reader) == 64
-    assert all(e.flush(10.0) for e in reader.ranks[0].connector._worker.engines)
+    assert all(e.flush(10.0) for e in reader.ranks[0].connector._worker.side.engines)
     assert redis_client.get(key) not in (None, bytes(value))
 
 
@@ -182,12 +182,12 @@ def test_a_load_that_fails_the_same_way_twice_is_not_promised_a_third_time(
     tokens = prompt(700, seed=35)
     run(engines(windows=HYBRID, store_async=False), "w", tokens)
     reader = engines(windows=HYBRID, local_cpu=False)
-    for engine in reader.ranks[0].connector._worker.engines:
+    for engine in reader.ranks[0].connector._worker.side.engines:
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("injected read failure")
         monkeypatch.setattr(engine, "retrieve", broken)
     reader.add("r", tokens, max_tokens=2)
     reader.run(["r"])
     assert reader.finished["r"] == FinishReason.LENGTH and reader.bad_reads == []
-    counters = reader.scheduler_connector._scheduler.metrics.counters()
+    counters = reader.scheduler_connector._scheduler.side.metrics.counters()
     assert counters["vllm.failed_load_requests"] == 2

@@ -123,7 +123,7 @@ def test_caches_restored_zeroed_serve_loads_and_stores_again(
         cache.zero_()  # what vLLM 0.34's restore hands back
     assert chunk_count(redis_client, key_prefix) == stored
     rank.connector.restore_kv_caches()
-    assert rank.connector._worker.disabled is None  # the proven layout still holds
+    assert rank.connector._worker.side.disabled is None  # the proven layout still holds
     prefill(b, "after", tokens)
     assert retrieved(b) == 3 * CHUNK
     prefill(b, "after-new", prompt(600, seed=68))
@@ -148,7 +148,7 @@ def test_a_prompt_logprobs_request_loads_no_hit_and_still_stores(
     b.run(["logprobs"])
     assert b.bad_reads == [] and retrieved(b) == 0
     assert b.outputs["logprobs"] == [rig.sampled_token("logprobs", 800 + i) for i in range(2)]
-    side = b.scheduler_connector._scheduler
+    side = b.scheduler_connector._scheduler.side
     assert side._hits == {} and side._loads == {} and side._load_blocks == {}
     fresh = prompt(600, seed=70)
     prefill(b, "logprobs-new", fresh, prompt_logprobs=1)
@@ -168,7 +168,7 @@ def test_the_prompt_is_named_by_its_token_ids_whatever_vllm_holds_them_in(
     request = b.add("r2", tokens, max_tokens=2)
     held = type(request.prompt_token_ids).__name__
     assert held == ("TokenBuffer" if rig.MRV2 else "list")
-    named, identity = b.scheduler_connector._names.name(request)
+    named, identity = b.scheduler_connector._scheduler.names.name(request)
     assert named == tokens and {type(t) for t in named} == {int} and identity is None
     assert b.scheduler_connector.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, False)
     b.run(["r2"])

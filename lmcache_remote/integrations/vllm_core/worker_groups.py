@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from lmcache_remote.connectors.layout_proof import CacheWriter
 from lmcache_remote.engine import CacheEngine
 from lmcache_remote.integrations.vllm_core.groups import MAMBA, KVGroup, group_namespace
 from lmcache_remote.integrations.vllm_core.plans import RequestPlan
 from lmcache_remote.integrations.vllm_core.settings import ConnectorSettings
 from lmcache_remote.integrations.vllm_core.worker import WorkerSide
+from lmcache_remote.integrations.vllm_core.worker_api import KVWorker, WriterFor
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ def state_rows(tensor: torch.Tensor, group: KVGroup) -> torch.Tensor:
     return flat.as_strided((flat.shape[0], rows, width), (page, width, 1))
 
 
-class GroupedWorker:
-    """One rank's loads and stores over several KV cache groups; see the module docstring."""
+class GroupedWorker(KVWorker):
+    """One rank's loads and stores over several KV cache groups (`KVWorker`, whose methods
+    state their contracts); see the module docstring."""
 
     def __init__(self, settings: ConnectorSettings, model_name: str, world_size: int,
                  rank: int, groups: Sequence[KVGroup], chunk_size: int, *,
@@ -91,10 +92,11 @@ class GroupedWorker:
     def engines(self) -> list[CacheEngine]:
         return [engine for side in self.sides for engine in side.engines]
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor],
-                 writer: Callable[[str, torch.Tensor], CacheWriter | None]) -> None:
-        """Each group's layers to its side; `writer(name, tensor)` gives the attention
-        backend's cache-write op of a layer, to prove the group's layout with."""
+    def register_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                        writer_for: WriterFor) -> None:
+        """Each group's layers to its side; `writer_for` gives the attention backend's
+        cache-write op of a group's first layer, to prove the group's layout with (a Mamba
+        group's state pages are bytes: nothing to prove)."""
         for group, side in zip(self.groups, self.sides, strict=True):
             caches = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
             if not caches:  # never a refusal to start: this rank goes off
@@ -113,7 +115,8 @@ class GroupedWorker:
                 continue
             first = next(iter(caches))
             side.register(caches, use_mla=group.geometry.use_mla, dtype=group.geometry.dtype,
-                          block_size=group.block_size, writer=writer(first, caches[first]))
+                          block_size=group.block_size,
+                          writer=writer_for(first, caches[first], group.geometry.use_mla))
 
     def rename_model(self, model_name: str) -> None:
         for group, side in zip(self.groups, self.sides, strict=True):
