@@ -144,6 +144,7 @@ STORAGE_LAYERS: list[list[str]] = [
     ["local"],
     ["wire"],
     ["session"],
+    ["value"],
     ["chunks"],
     ["pages"],
     ["manager"],

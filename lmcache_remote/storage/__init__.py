@@ -9,6 +9,8 @@ Folders by concept, from the bottom up (each opens with its contract; imports ru
 - `wire/`: bytes to and from one server (RESP, bulk pipelines, deadlines, chunk commands);
 - `session/`: the client and its health, access, SCAN, pins, the publisher, the cluster
   scatter, connection counts;
+- `value/`: one stored value's path, chunks' and pages' alike (encode and seal, check and
+  decode, what a foreign or damaged value costs);
 - `chunks/`: the chunk tier in Redis (lookup, reads, writes, a cluster's, the factory);
 - `pages/`: `PageStore`, SGLang's pages;
 - `manager/`: `StorageManager`, the write-behind queue, the memory budget's shares.
@@ -16,7 +18,7 @@ Folders by concept, from the bottom up (each opens with its contract; imports ru
 The modules' earlier paths (`lmcache_remote.storage.bulk`, `.redis_tier`, `.remote_lookup`, ...,
 all side by side in this folder before) still import: each gives the very objects of the
 module (or, for `redis_commands`, the two modules) that hold its names now (`MOVED`), so code
-written against them keeps working.
+written against them keeps working; so does `chunks.value_checks` (now `value.checks`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ MOVED = {
     "remote_reads": "chunks.reads", "remote_writes": "chunks.writes",
     "resp": "wire.resp", "scan": "session.scan",
     "tiers": "chunks.factory", "toucher": "chunks.toucher",
-    "value_checks": "chunks.value_checks", "write_behind": "manager.write_behind",
+    "value_checks": "value.checks", "write_behind": "manager.write_behind",
+    # moved again since, inside a folder
+    "chunks.value_checks": "value.checks",
 }
 
 
@@ -52,14 +56,14 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname: str, path: object = None, target: object = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        package, _, name = fullname.rpartition(".")
-        if package != __name__ or name not in MOVED:
+        name = fullname[len(__name__) + 1:] if fullname.startswith(f"{__name__}.") else ""
+        if name not in MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         moved = [importlib.import_module(f"{__name__}.{path}")
-                 for path in MOVED[spec.name.rpartition(".")[2]].split()]
+                 for path in MOVED[spec.name[len(__name__) + 1:]].split()]
         return _Alias(spec.name, moved)
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -3,8 +3,7 @@
 - `lookup`: `RemoteLookup`, which chunks a server holds (keys, `contains`, values found
   foreign, LRU refreshes, admission counts): all the vLLM scheduler needs;
 - `reads`: `get`, whole chunks, checked, or none; `writes`: `put_each`, each chunk whole or
-  absent; `value_checks`: the checks of received values and the MAC a write signs (shared
-  with `pages`);
+  absent (each value through `storage.value`, the path pages take too);
 - `redis_tier`: `RedisTier`, a server's tier (its state, `delete`, its lanes);
   `cluster_tier`: `ClusterRedisTier` and `ClusterLookup`, chunks over a cluster (a down shard
   is its own misses); `toucher`: LRU refreshes of chunks served locally;

@@ -5,8 +5,9 @@
   each value is decoded and checked against the key (hash, dtype, shape, token count, every
   part's checksum). The first missing or bad chunk ends the run; a bad one is counted and
   deleted so nobody trips on it again. With an `integrity_key` a value is served only when
-  its MAC verifies for the key it was read from (`value_checks.authenticate`); one without a
-  MAC, or with one that does not verify, is a miss left in place
+  its MAC verifies for the key it was read from (`value.path.ValuePath`, the check and
+  decode pages use too); one without a MAC, or with one that does not verify, is a miss left
+  in place
   (`remote.unauthenticated_chunks`). Such a window arrives in runs of about
   `VERIFY_RUN_BYTES`, one run's MACs checked while the next run is received.
 - GET replies are received through `bulk.BulkPipeline` (a cluster: per node,
@@ -28,26 +29,22 @@ from typing import Any
 from lmcache_remote.errors import (
     CorruptEntryError,
     ForeignEntryError,
-    UnauthenticatedEntryError,
 )
 from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.storage.chunks.lookup import RemoteLookup
-from lmcache_remote.storage.chunks.value_checks import authenticate, stored_part
 from lmcache_remote.storage.local.memory import MemoryObj
 from lmcache_remote.storage.tier import StorageTier
+from lmcache_remote.storage.value.path import ValuePath, Verdicts
 from lmcache_remote.storage.wire import windows as wire_windows
 from lmcache_remote.storage.wire.arena import ArenaPool
-from lmcache_remote.storage.wire.commands import IncompleteChunkError, regroup
+from lmcache_remote.storage.wire.commands import regroup
 from lmcache_remote.storage.wire.deadline import call_deadline
 from lmcache_remote.storage.wire.resp import Reply
 from lmcache_remote.storage.wire.windows import byte_windows, read_ahead
 from lmcache_remote.values.integrity import IntegrityKey
-from lmcache_remote.values.value_format import ValueHeader, check_identity, header_nbytes
+from lmcache_remote.values.value_format import header_nbytes
 
 logger = logging.getLogger(__name__)
-#: Why a chunk whose MAC does not verify over intact parts is not served.
-_UNVERIFIED = ("its MAC does not verify under this integrity key (forged, moved from another "
-               "key, or another key's)")
 #: Raw bytes per run of a window read with an `integrity_key` (`RemoteReads._get_window`).
 VERIFY_RUN_BYTES = 4 * 1024 * 1024
 #: Gives a read its chunk buffer of so many tokens, or None when there is no room.
@@ -60,6 +57,8 @@ class RemoteReads(RemoteLookup, StorageTier):
 
     allocate: Allocator
     integrity: IntegrityKey | None
+    values: ValuePath
+    verdicts: Verdicts
     read_lanes: int
     _arenas: ArenaPool
     _lane_pool: Callable[[str, int], Any]
@@ -214,60 +213,28 @@ class RemoteReads(RemoteLookup, StorageTier):
 
     def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply],
                          digests: list[int | None]) -> bool:
-        """Checks and decodes one chunk's replies into ``obj``; False for a miss or a bad one.
-        ``digests``: each reply's part checksum as the receive loop computed it, or None."""
+        """Checks and decodes one chunk's replies into ``obj`` (`value.path.ValuePath`); False
+        for a miss or a bad one. ``digests``: each reply's part checksum as the receive loop
+        computed it, or None."""
         if values[0] is None:
             self.metrics.inc("remote.miss_chunks")
             return False
         try:
-            head = values[0]
-            header = self._read_header(spec, head[0] if isinstance(head, list) else head)
-            fetched = self._all_parts(spec, header, values)
-            if fetched is not values:  # fetched again: the loop's digests are not theirs
-                values, digests = fetched, [None] * len(fetched)
-            stored = [stored_part(header, i, v) for i, v in enumerate(values)]
-            if self.integrity is not None:
-                authenticate(self.integrity, spec.key.to_string(), header, stored, digests,
-                             _UNVERIFIED)
-            self.serde.decode_parts_into(
-                header, stored, obj, spec.key.hash_bytes,
-                expected_shape=self.layout.shape(spec.num_tokens),
-                expected_dtype=self.layout.dtype, digests=digests,
-            )
+            nbytes = self.values.check_and_decode(
+                values, digests, name=spec.key.to_string(), hash_bytes=spec.key.hash_bytes,
+                num_tokens=spec.num_tokens, shape=self.layout.shape(spec.num_tokens),
+                dtype=self.layout.dtype, out=obj,
+                refetch=lambda parts: self._fetch([spec.key.part_keys(self.prefix, parts)])[0])
         except ForeignEntryError as exc:
-            self._skip_foreign(spec, exc)
+            self.verdicts.foreign(spec.key.chunk_hash, exc)
+            self._note_foreign(spec.key)
             return False
         except CorruptEntryError as exc:
-            self._drop_corrupt(spec, exc)
+            self.verdicts.damaged(spec.key.chunk_hash, exc, lambda: self.delete([spec.key]))
             return False
         self.metrics.inc("remote.hit_chunks")
-        nbytes = sum(header.value_nbytes(i) for i in range(len(values)))
         self.metrics.inc("remote.read_bytes", nbytes)
         return True
-
-    def _read_header(self, spec: ChunkSpec, value0: Any) -> ValueHeader:
-        """The header of value 0, checked to name this chunk before anything else is (a value
-        of another chunk or geometry is foreign, whatever its parts)."""
-        header = self.serde.read_header(value0)
-        if header.num_tokens != spec.num_tokens:
-            raise ForeignEntryError(
-                f"value holds {header.num_tokens} tokens, its key names {spec.num_tokens}"
-            )
-        check_identity(header, spec.key.hash_bytes, self.layout.shape(spec.num_tokens),
-                       self.layout.dtype)
-        return header
-
-    def _all_parts(self, spec: ChunkSpec, header: ValueHeader, values: list[Any]) -> list[Any]:
-        """Every value the header lists: fetched again when the chunk was written with another
-        part size. A part missing where the header agrees with ours was evicted or expired
-        (`IncompleteChunkError`); one missing after a header that lists more is damage."""
-        if len(header.parts) != len(values):
-            values = list(self._fetch([spec.key.part_keys(self.prefix, len(header.parts))])[0])
-            if any(v is None for v in values):
-                raise CorruptEntryError("the header lists parts that are not there")
-        elif any(v is None for v in values):
-            raise IncompleteChunkError("a part of the chunk is missing (evicted or expired)")
-        return values
 
     def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
         def op() -> list[Any]:
@@ -278,30 +245,6 @@ class RemoteReads(RemoteLookup, StorageTier):
             return pipe.execute()
 
         return regroup(self.caller.call(op), key_lists)
-
-    def _skip_foreign(self, spec: ChunkSpec, exc: ForeignEntryError) -> None:
-        """A value of another release, or not the one its key names: a miss, left in place
-        (DESIGN.md, "Redis layout": evolution), counted apart from damage. One this reader's
-        `integrity_key` does not vouch for is counted apart again (`value_checks.authenticate`)."""
-        kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
-        self.metrics.inc(f"remote.{kind}_chunks")
-        self._log.warning(kind, "%s chunk %s left in place, not served: %s", kind,
-                          spec.key.chunk_hash, exc)
-        self._note_foreign(spec.key)
-
-    def _drop_corrupt(self, spec: ChunkSpec, exc: CorruptEntryError) -> None:
-        """Count a bad chunk (incomplete: a part evicted; else damaged) and delete its values."""
-        if isinstance(exc, IncompleteChunkError):
-            self.metrics.inc("remote.incomplete_chunks")
-            logger.debug("dropping incomplete chunk %s: %s", spec.key.chunk_hash, exc)
-        else:
-            self.metrics.inc("remote.corrupt_chunks")
-            self._log.warning("corrupt", "dropping corrupt chunk %s: %s",
-                              spec.key.chunk_hash, exc)
-        try:
-            self.delete([spec.key])
-        except Exception as err:  # a failed clean-up must not turn a miss into an error
-            self._log.warning("corrupt-delete", "could not delete corrupt chunk: %s", err)
 
     def _windows(self, specs: Sequence[ChunkSpec], window_bytes: int
                  ) -> list[Sequence[ChunkSpec]]:

@@ -15,9 +15,7 @@ Cluster has its own tier on the same parts (`cluster_tier.ClusterRedisTier`).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -28,12 +26,14 @@ from lmcache_remote.storage.chunks.lookup import RemoteLookup
 from lmcache_remote.storage.chunks.reads import Allocator, RemoteReads
 from lmcache_remote.storage.chunks.writes import RemoteWrites
 from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
+from lmcache_remote.storage.value.path import ValuePath, Verdicts
 from lmcache_remote.storage.wire import windows as wire_windows
 from lmcache_remote.storage.wire.arena import ArenaPool
-from lmcache_remote.storage.wire.lanes import LanePool
+from lmcache_remote.storage.wire.commands import ttl_ms
+from lmcache_remote.storage.wire.lanes import LanePool, LaneThreads
 from lmcache_remote.storage.wire.windows import ByteBudget
 from lmcache_remote.telemetry.metrics import Metrics
-from lmcache_remote.values.integrity import IntegrityKey, load_integrity_key
+from lmcache_remote.values.integrity import IntegrityKey
 from lmcache_remote.values.sizing import max_part_count
 
 __all__ = ["READ_LANES", "WRITE_LANES", "Allocator", "RedisTier"]
@@ -65,34 +65,32 @@ class RedisTier(RemoteWrites, RemoteReads):
         client: redis.Redis | None = None,
         allocate: Allocator | None = None,
     ) -> None:
-        #: With `integrity_key`: every value written carries a MAC, and only values whose MAC
-        #: verifies are served (`value_checks.authenticate`); read here, at start-up, never
-        #: logged.
-        self.integrity: IntegrityKey | None = load_integrity_key(config.integrity_key)
         RemoteLookup.__init__(self, config, layout, metrics, client)
+        #: The value path (`value.path`): with `integrity_key` every value written carries a
+        #: MAC and only values whose MAC verifies are served; the key is read here, at
+        #: start-up, never logged.
+        self.values = ValuePath.from_config(config, self.serde)
+        self.integrity: IntegrityKey | None = self.values.integrity
+        self.verdicts = Verdicts(metrics, self._log, "chunk", "remote.", "_chunks")
         self.pool = pool
         self.allocate = allocate or (lambda n: pool.allocate(layout.shape(n), layout.dtype))
         self._arenas = ArenaPool()
-        self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
+        self._ttl_ms = ttl_ms(config)
         self.write_lanes = config.remote_write_lanes
         self.read_lanes = config.remote_read_lanes
-        self._write_lock = threading.Lock()
-        self._writers: ThreadPoolExecutor | None = None
-        self._readers: LanePool | None = None  # the step's reads before background ones
-        self._receivers: ThreadPoolExecutor | None = None  # runs received while others check
+        self._lanes = LaneThreads()
         self._write_budget = ByteBudget(wire_windows.WINDOW_BYTES)
 
     def _lane_pool(self, name: str, lanes: int) -> Any:
         """The lane threads ``name``, started on first use: ``_writers`` or ``_receivers`` (an
         executor) or ``_readers`` (a `lanes.LanePool`: reads inside `background_reads` yield
         to others)."""
-        with self._write_lock:
-            pool = getattr(self, name)
-            if pool is None:
-                pool = (LanePool(lanes, "lmcr_reader") if name == "_readers"
-                        else ThreadPoolExecutor(lanes, thread_name_prefix=f"lmcr{name[:-1]}"))
-                setattr(self, name, pool)
-            return pool
+        return self._lanes.get(f"lmcr{name[:-1]}", lanes, step_first=name == "_readers")
+
+    @property
+    def _readers(self) -> LanePool | None:
+        """The read lanes, once started (the step's reads before background ones)."""
+        return self._lanes.started("lmcr_reader")
 
     def delete(self, keys: Sequence[CacheEngineKey]) -> int:
         if not keys:
@@ -118,9 +116,4 @@ class RedisTier(RemoteWrites, RemoteReads):
 
     def _join_threads(self) -> None:
         """Waits for the lane threads (`close`)."""
-        with self._write_lock:
-            pools = (self._writers, self._readers, self._receivers)
-            self._writers, self._readers, self._receivers = None, None, None
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True)
+        self._lanes.shutdown()

@@ -9,7 +9,8 @@
   encoded bytes in flight stay within one `ByteBudget`, and a window that fails fails alone:
   its chunks are not counted as written, the others' are, and the error is raised when all
   are done.
-- Through `bulk.BulkPipeline` values leave as memoryviews of the chunk buffers (no packer
+- Each chunk is encoded by `value.path.ValuePath` (the encode-and-seal pages use too).
+  Through `bulk.BulkPipeline` values leave as memoryviews of the chunk buffers (no packer
   copy) and the checksums are computed as they are sent (a seal per chunk); a cluster's tier
   writes sealed values per node (`ClusterRedisTier._write`). With an `integrity_key` every
   value carries a MAC bound to its chunk key.
@@ -23,22 +24,20 @@ from typing import Any
 from lmcache_remote.errors import BackendError
 from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage.chunks.lookup import RemoteLookup
-from lmcache_remote.storage.chunks.value_checks import signer_for
 from lmcache_remote.storage.local.memory import MemoryObj
 from lmcache_remote.storage.tier import StorageTier
+from lmcache_remote.storage.value.path import ValuePath
 from lmcache_remote.storage.wire import windows as wire_windows
 from lmcache_remote.storage.wire.bulk import Seal
 from lmcache_remote.storage.wire.commands import check_transactions, write_batch
 from lmcache_remote.storage.wire.windows import ByteBudget, byte_windows, value_nbytes
-from lmcache_remote.values.integrity import IntegrityKey
-from lmcache_remote.values.value_format import header_seal
 
 
 class RemoteWrites(RemoteLookup, StorageTier):
     """The write half of `RedisTier` (see the module doc); `RedisTier.__init__` sets the
     attributes declared here."""
 
-    integrity: IntegrityKey | None
+    values: ValuePath
     write_lanes: int
     _ttl_ms: int | None
     _write_budget: ByteBudget
@@ -112,24 +111,14 @@ class RemoteWrites(RemoteLookup, StorageTier):
         the checksums are left to the wire (a seal per chunk), which computes them as it
         sends each chunk, so that the kernel's copy finds the bytes still in the CPU cache."""
         batch: list[tuple[list[str], list[Any]]] = []
-        seals: list[Seal | None] | None = [] if self.wire is not None else None
+        seals: list[Seal | None] = []
         for key, obj in pairs:
-            num_tokens = obj.tensor.shape[2]
-            values: list[Any]
-            signer = signer_for(self.integrity, key.to_string())
-            if seals is not None:  # value 0 as (header, part 0): no copy of part 0
-                header, parts = self.serde.encode_parts(obj, key.hash_bytes, num_tokens,
-                                                        sealed=signer is not None, signer=signer)
-                values = [(header, parts[0]), *parts[1:]]
-                if signer is None:
-                    assert isinstance(header, bytearray)
-                    seals.append(header_seal(header, parts))
-                else:  # the MAC covers the checksums: sealed before it, not by the wire
-                    seals.append(None)
-            else:
-                values = list(self.serde.encode(obj, key.hash_bytes, num_tokens, signer=signer))
+            values, seal = self.values.encode(obj, key.to_string(), key.hash_bytes,
+                                              obj.tensor.shape[2],
+                                              sealed_on_wire=self.wire is not None)
+            seals.append(seal)
             batch.append((key.part_keys(self.prefix, len(values)), values))
-        return self._write(batch, seals)
+        return self._write(batch, seals if self.wire is not None else None)
 
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]],
                seals: Sequence[Seal | None] | None = None) -> list[bool]:

@@ -70,6 +70,7 @@ from lmcache_remote.storage.manager.write_behind import (
 )
 from lmcache_remote.storage.session.access import check_access
 from lmcache_remote.storage.session.pins import PinRefused, Pins, PinTarget
+from lmcache_remote.storage.wire.commands import ttl_ms
 from lmcache_remote.telemetry.figures import LinkFigures
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
@@ -120,7 +121,7 @@ class StorageManager:
         self._log = RateLimitedLogger(logger)
         #: the fleet's pin registry (`storage.pins`): requests' retention, and sweeps
         self.pins = (Pins(self.remote.redis_client, config.key_prefix, config.pin_budget_bytes,
-                          None if config.remote_ttl is None else int(config.remote_ttl * 1000),
+                          ttl_ms(config),
                           call=self.remote.caller.call)
                      if self.remote is not None else None)
         self._count_window_ms = int(config.store_after_window * 1000)

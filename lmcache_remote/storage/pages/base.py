@@ -32,7 +32,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import xxhash
@@ -45,19 +45,23 @@ from lmcache_remote.storage.local.memory import MemoryObj, MemoryPool
 from lmcache_remote.storage.session.client import RemoteCaller, make_client
 from lmcache_remote.storage.session.cluster_scatter import ClusterScatter, ClusterWire
 from lmcache_remote.storage.session.health import HealthGate
+from lmcache_remote.storage.value.path import ValuePath, Verdicts
 from lmcache_remote.storage.wire.bulk import BulkPipeline, Seal, supports
+from lmcache_remote.storage.wire.commands import ttl_ms
 from lmcache_remote.storage.wire.deadline import call_deadline
-from lmcache_remote.storage.wire.windows import byte_windows
+from lmcache_remote.storage.wire.lanes import LaneThreads
+from lmcache_remote.storage.wire.windows import PAGE_WINDOW_BYTES, byte_windows
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
-from lmcache_remote.values.integrity import IntegrityKey, load_integrity_key
+from lmcache_remote.values.integrity import IntegrityKey
 from lmcache_remote.values.serde import Serde
 from lmcache_remote.values.sizing import longest_value
 from lmcache_remote.values.value_format import checksum
 
 logger = logging.getLogger("lmcache_remote.storage.pages")
 
-#: Raw page bytes per window of a read or a write: the staging memory one call holds at once.
-WINDOW_BYTES = 32 * 1024 * 1024
+#: Raw page bytes per window of a read or a write: the staging memory one call holds at once
+#: (`wire.windows.PAGE_WINDOW_BYTES`, where every window size is defined).
+WINDOW_BYTES = PAGE_WINDOW_BYTES
 _R = TypeVar("_R")
 #: Writes the fill of page i into the staging tensor / reads page i out of it.
 PageCopy = Callable[[int, torch.Tensor], None]
@@ -93,8 +97,10 @@ class PageStoreBase:
         self.page_tokens = page_tokens
         self.page_nbytes = int(torch.Size(self.page_shape).numel()) * dtype.itemsize
         self.metrics = metrics or Metrics()
-        self.integrity: IntegrityKey | None = load_integrity_key(config.integrity_key)
         self.serde = Serde(config.serde, config.remote_part_size, fit_size_classes=True)
+        #: The value path chunks use too (`value.path`); the integrity key is read here, once.
+        self.values = ValuePath.from_config(config, self.serde)
+        self.integrity: IntegrityKey | None = self.values.integrity
         self.nparts = self.serde.part_count(self.page_nbytes)
         self.client = client if client is not None else make_client(config)
         self.gate = HealthGate(config.unhealthy_backoff)
@@ -102,6 +108,7 @@ class PageStoreBase:
         self.timeout = config.remote_timeout
         self._longest = longest_value(self.page_nbytes)
         self._log = RateLimitedLogger(logger)
+        self.verdicts = Verdicts(self.metrics, self._log, "page", "pages.")
         self.scatter: ClusterScatter | None = None
         self.wire: BulkPipeline | ClusterWire | None = None
         if supports(self.client):
@@ -112,12 +119,11 @@ class PageStoreBase:
                                           self.metrics, self._log, self._longest,
                                           error_metric=None, client=self.client)
             self.wire = ClusterWire(self.scatter, "pages")
-        self._ttl_ms = None if config.remote_ttl is None else int(config.remote_ttl * 1000)
+        self._ttl_ms = ttl_ms(config)
         # Staging within the budget: one pool, a window never larger than the bound.
         self.pool = MemoryPool(config.max_local_cpu_bytes)
         self._window_bytes = max(1, min(window_bytes, config.max_local_cpu_bytes))
-        self._lanes: ThreadPoolExecutor | None = None
-        self._lanes_lock = threading.Lock()
+        self._lanes = LaneThreads()
         self._closed = threading.Event()
 
     def present(self, keys: Sequence[PageKey]) -> int:
@@ -194,12 +200,9 @@ class PageStoreBase:
         return results
 
     def _lane_pool(self, lanes: int) -> ThreadPoolExecutor:
-        with self._lanes_lock:
-            if self._lanes is None:
-                self._lanes = ThreadPoolExecutor(
-                    max(lanes, self.config.remote_read_lanes, self.config.remote_write_lanes),
-                    thread_name_prefix="lmcr_pages")
-            return self._lanes
+        return cast(ThreadPoolExecutor, self._lanes.get(
+            "lmcr_pages",
+            max(lanes, self.config.remote_read_lanes, self.config.remote_write_lanes)))
 
     def delete(self, keys: Sequence[PageKey]) -> int:
         """Deletes the pages (every part key); how many pages had a head value."""
@@ -231,10 +234,7 @@ class PageStoreBase:
             self.scatter.gate.close()
             self.scatter.close()
         self.serde.close()
-        with self._lanes_lock:
-            lanes, self._lanes = self._lanes, None
-        if lanes is not None:
-            lanes.shutdown(wait=True)
+        self._lanes.shutdown()
         self.pool.trim()
         try:
             self.client.close()

@@ -24,12 +24,9 @@ from lmcache_remote.errors import (
     BackendError,
     CorruptEntryError,
     ForeignEntryError,
-    KeyFormatError,
-    UnauthenticatedEntryError,
 )
 from lmcache_remote.naming.keys import PageKey
 from lmcache_remote.native.buffers import address
-from lmcache_remote.storage.chunks.value_checks import authenticate, stored_part
 from lmcache_remote.storage.pages.base import (
     PageCopy,
     PagePlaces,
@@ -38,13 +35,10 @@ from lmcache_remote.storage.pages.base import (
     cut_pieces,
     xxh3_of,
 )
-from lmcache_remote.storage.wire.commands import IncompleteChunkError, regroup
+from lmcache_remote.storage.wire.commands import regroup
 from lmcache_remote.storage.wire.deadline import call_deadline
 from lmcache_remote.storage.wire.windows import read_ahead
-from lmcache_remote.values.value_format import ValueHeader, check_identity, header_nbytes
-
-#: Why a page whose MAC does not verify over intact parts is not served.
-_UNVERIFIED = "its MAC does not verify under this integrity key"
+from lmcache_remote.values.value_format import header_nbytes
 
 
 class PageReads(PageStoreBase):
@@ -119,11 +113,9 @@ class PageReads(PageStoreBase):
         if not isinstance(head, list) or not all(isinstance(v, list) for v in values):
             return None
         try:
-            header = self.serde.read_header(head[0])
-            if header.num_tokens != self.page_tokens:
-                raise ForeignEntryError(f"value holds {header.num_tokens} tokens, a page "
-                                        f"here is {self.page_tokens}")
-            check_identity(header, key.hash_bytes, self.page_shape, self.dtype)
+            header = self.values.header(head[0], hash_bytes=key.hash_bytes,
+                                        num_tokens=self.page_tokens, shape=self.page_shape,
+                                        dtype=self.dtype)
             if (header.codec_id != 0 or header.part_count != len(values)
                     or header.part_size != self.serde.part_size_for(self.page_nbytes)):
                 return None
@@ -137,10 +129,10 @@ class PageReads(PageStoreBase):
                 if known != header.parts[p][1]:
                     raise CorruptEntryError(f"part {p} fails its checksum")
         except ForeignEntryError as exc:
-            self._foreign(key, exc)
+            self.verdicts.foreign(key.page_hash, exc)
             return False
         except CorruptEntryError as exc:
-            self._drop(key, exc)
+            self.verdicts.damaged(key.page_hash, exc, lambda: self.delete([key]))
             return False
         self.metrics.inc("pages.hits")
         self.metrics.inc("pages.read_bytes",
@@ -207,69 +199,34 @@ class PageReads(PageStoreBase):
 
     def _decode(self, key: PageKey, values: list[Any], out: torch.Tensor,
                 digests: list[int | None]) -> bool:
-        """Checks one page's values and decodes them into ``out`` (values received in place
-        there are only checked); False for a miss."""
+        """Checks one page's values and decodes them into ``out`` (`value.path.ValuePath`, as
+        chunks are; values received in place there are only checked); False for a miss."""
         if values[0] is None:
             self.metrics.inc("pages.misses")
             return False
+
+        def refetch(parts: int) -> list[Any]:
+            with call_deadline(self.timeout):
+                return list(self._run([("GET", name) for name in
+                                       key.part_keys(self.prefix, parts)]))
+
         try:
-            head = values[0]
-            header = self.serde.read_header(head[0] if isinstance(head, list) else head)
-            if header.num_tokens != self.page_tokens:
-                raise ForeignEntryError(f"value holds {header.num_tokens} tokens, a page "
-                                        f"here is {self.page_tokens}")
-            check_identity(header, key.hash_bytes, self.page_shape, self.dtype)
-            fetched = self._all_parts(key, header, values)
-            if fetched is not values:  # fetched again: the loop's digests are not theirs
-                values, digests = fetched, [None] * len(fetched)
-            stored = [stored_part(header, i, v) for i, v in enumerate(values)]
-            if self.integrity is not None:
-                authenticate(self.integrity, key.relative_key(), header, stored, digests,
-                             _UNVERIFIED)
-            self.serde.decode_parts_into(header, stored, out, key.hash_bytes, self.page_shape,
-                                         self.dtype, digests=digests)
+            nbytes = self.values.check_and_decode(
+                values, digests, name=key.relative_key(), hash_bytes=key.hash_bytes,
+                num_tokens=self.page_tokens, shape=self.page_shape, dtype=self.dtype, out=out,
+                refetch=refetch)
         except ForeignEntryError as exc:
-            self._foreign(key, exc)
+            self.verdicts.foreign(key.page_hash, exc)
             return False
         except CorruptEntryError as exc:
-            self._drop(key, exc)
+            self.verdicts.damaged(key.page_hash, exc, lambda: self.delete([key]))
             return False
         except BackendError as exc:
             self._failed("read", exc)
             return False
         self.metrics.inc("pages.hits")
-        self.metrics.inc("pages.read_bytes",
-                         sum(header.value_nbytes(i) for i in range(len(values))))
+        self.metrics.inc("pages.read_bytes", nbytes)
         return True
-
-    def _all_parts(self, key: PageKey, header: ValueHeader, values: list[Any]) -> list[Any]:
-        """Every value the header lists (fetched again when another writer cut the page into
-        another number of parts); a part missing is eviction (`IncompleteChunkError`)."""
-        if header.part_count != len(values):
-            with call_deadline(self.timeout):
-                replies = self._run([("GET", name) for name in
-                                     key.part_keys(self.prefix, header.part_count)])
-            values = list(replies)
-            if any(v is None for v in values):
-                raise CorruptEntryError("the header lists parts that are not there")
-        elif any(v is None for v in values):
-            raise IncompleteChunkError("a part of the page is missing (evicted or expired)")
-        return values
-
-    def _foreign(self, key: PageKey, exc: ForeignEntryError) -> None:
-        kind = "unauthenticated" if isinstance(exc, UnauthenticatedEntryError) else "foreign"
-        self.metrics.inc(f"pages.{kind}")
-        self._log.warning(kind, "%s page %s left in place, not served: %s", kind,
-                          key.page_hash, exc)
-
-    def _drop(self, key: PageKey, exc: CorruptEntryError) -> None:
-        kind = "incomplete" if isinstance(exc, IncompleteChunkError) else "corrupt"
-        self.metrics.inc(f"pages.{kind}")
-        self._log.warning(kind, "dropping %s page %s: %s", kind, key.page_hash, exc)
-        try:
-            self.delete([key])
-        except (BackendError, KeyFormatError) as err:
-            self._log.warning("corrupt-delete", "could not delete a bad page: %s", err)
 
 
 def _as_received(reply: Any, place: list[memoryview]) -> Any:

@@ -23,7 +23,6 @@ import torch
 
 from lmcache_remote.errors import BackendError
 from lmcache_remote.naming.keys import PageKey
-from lmcache_remote.storage.chunks.value_checks import signer_for
 from lmcache_remote.storage.pages.base import (
     PageCopy,
     PagePlaces,
@@ -38,7 +37,7 @@ from lmcache_remote.storage.wire.commands import (
     write_batch,
 )
 from lmcache_remote.storage.wire.windows import value_nbytes
-from lmcache_remote.values.value_format import header_nbytes, header_seal
+from lmcache_remote.values.value_format import header_nbytes
 
 
 class PageWrites(PageStoreBase):
@@ -118,21 +117,10 @@ class PageWrites(PageStoreBase):
         nbytes = 0
         for slot, i in enumerate(window):
             fill(i, staging[slot])
-            signer = signer_for(self.integrity, keys[i].relative_key())
-            values: list[Any]
-            if self.wire is not None:
-                header, parts = self.serde.encode_parts(
-                    staging[slot], keys[i].hash_bytes, self.page_tokens,
-                    sealed=signer is not None, signer=signer)
-                values = [(header, parts[0]), *parts[1:]]
-                if signer is None:  # the wire fills in the checksums as it sends
-                    assert isinstance(header, bytearray)
-                    seals.append(header_seal(header, parts))
-                else:  # the MAC covers the checksums: sealed before it
-                    seals.append(None)
-            else:
-                values = list(self.serde.encode(staging[slot], keys[i].hash_bytes,
-                                                self.page_tokens, signer=signer))
+            values, seal = self.values.encode(staging[slot], keys[i].relative_key(),
+                                              keys[i].hash_bytes, self.page_tokens,
+                                              sealed_on_wire=self.wire is not None)
+            seals.append(seal)
             batch.append((keys[i].part_keys(self.prefix, len(values)), values))
             nbytes += sum(value_nbytes(v) for v in values)
         self._write_pages(batch, seals if self.wire is not None else None)

@@ -1,10 +1,11 @@
 """The commands of the Redis tiers, apart from the tiers themselves.
 
 What `RedisTier` and `ClusterRedisTier` (and the admin transfer and the access check) share:
-the one atomic command that writes a chunk (`chunk_write_command`, `write_batch`) and its
-routing key (`command_key`), the checks of a transaction's replies, and the small readers of
-a chunk's replies (`regroup`, `listed_part_count`). How a batch is cut into windows and how
-many bytes are in flight is `windows`. Nothing here talks to Redis.
+the one atomic command that writes a chunk or a page (`chunk_write_command`, `write_batch`),
+its routing key (`command_key`) and the expiry it sets (`ttl_ms`), the checks of a
+transaction's replies, and the small readers of a chunk's replies (`regroup`,
+`listed_part_count`). How a batch is cut into windows and how many bytes are in flight is
+`windows`. Nothing here talks to Redis.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, CorruptEntryError
 from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.values.value_format import HEADER_FIXED, MAGIC, known_version
@@ -21,6 +23,11 @@ SET_PARTS_PX = (
     "for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i], 'PX', ARGV[#KEYS + 1]) end "
     "return #KEYS"
 )
+
+
+def ttl_ms(config: CacheConfig) -> int | None:
+    """The expiry every value is written with (`remote_ttl`, in ms), None for none."""
+    return None if config.remote_ttl is None else int(config.remote_ttl * 1000)
 
 
 def chunk_write_command(keys: Sequence[str], values: Sequence[Any], ttl_ms: int | None,

@@ -12,6 +12,9 @@ batch with it. So:
   always takes the oldest waiting step (foreground) task first, then the oldest background
   one. A task already running is never interrupted: a step's read waits at most for the
   windows in flight, one per lane. `shutdown(wait)` as an executor's.
+- `LaneThreads`: a tier's or a store's lane threads by name, each set started on first use
+  (a `LanePool` or a plain executor) and all shut down together: the one way the chunk tier
+  and the page store keep their lanes.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import contextvars
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["LanePool", "background_reads", "in_background"]
+__all__ = ["LanePool", "LaneThreads", "background_reads", "in_background"]
 
 _T = TypeVar("_T")
 _BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("lmcr_background_reads",
@@ -94,3 +97,34 @@ class LanePool:
         if wait:
             for thread in self._threads:
                 thread.join()
+
+
+class LaneThreads:
+    """Named sets of lane threads, each started on first use; see the module doc."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[str, Any] = {}
+
+    def get(self, name: str, lanes: int, *, step_first: bool = False) -> Any:
+        """The threads ``name`` (``lanes`` of them, named ``name_i``): a `LanePool` taking the
+        step's tasks first with ``step_first``, else a `ThreadPoolExecutor`."""
+        with self._lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = (LanePool(lanes, name) if step_first
+                        else ThreadPoolExecutor(lanes, thread_name_prefix=name))
+                self._pools[name] = pool
+            return pool
+
+    def started(self, name: str) -> Any:
+        """The threads ``name`` if started, else None."""
+        with self._lock:
+            return self._pools.get(name)
+
+    def shutdown(self) -> None:
+        """Every set's queued tasks run, then its threads end; later `get` starts anew."""
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=True)

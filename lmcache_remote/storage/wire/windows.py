@@ -1,7 +1,8 @@
 """Windows and bytes in flight: how a batch is cut and how much of it is asked ahead.
 
-- `WINDOW_BYTES`: bytes of chunks per pipelined batch; `byte_windows`, `iter_windows` cut a
-  batch (or a stream) into windows of about that many bytes;
+- `WINDOW_BYTES`: bytes of chunks per pipelined batch (`PAGE_WINDOW_BYTES`: of pages, in
+  one page call's staging); `byte_windows`, `iter_windows` cut a batch (or a stream) into
+  windows of about that many bytes;
 - `read_ahead` (`INFLIGHT_BYTES`, `READ_AHEAD_CHUNKS`): the reply bytes a read keeps asked for
   and unread;
 - `ByteBudget`: the byte count the write lanes share; `value_nbytes`: a value's bytes.
@@ -16,12 +17,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
-#: Reply bytes asked for and not yet read on the fast read path, at most (`read_ahead`'s cap:
-#: for 32 MiB chunks a little over two of their 3.49 MiB parts), so Redis prepares the next
-#: reply while this side reads one, and never buffers a whole window.
 #: Bytes of chunks per pipelined batch: large enough that round trips do not matter, small
 #: enough that the encoded values and receive arena of one batch stay a modest memory cost.
 WINDOW_BYTES = 64 * 1024 * 1024
+#: Raw page bytes one call of the page store holds in staging at once (its windows over all
+#: its lanes): half a chunk window, since a page call's staging is taken from the engine's
+#: memory budget (`pages.base`).
+PAGE_WINDOW_BYTES = WINDOW_BYTES // 2
+#: Reply bytes asked for and not yet read on the fast read path, at most (`read_ahead`'s cap:
+#: for 32 MiB chunks a little over two of their 3.49 MiB parts), so Redis prepares the next
+#: reply while this side reads one, and never buffers a whole window.
 INFLIGHT_BYTES = 8 * 1024 * 1024
 #: Chunks asked for and not yet read per read connection (`read_ahead`).
 READ_AHEAD_CHUNKS = 2

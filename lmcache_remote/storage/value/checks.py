@@ -1,6 +1,5 @@
-"""The checks a read applies to the values it received, and the MAC a write signs: one of each
-for the chunk tier (`chunks.reads`, `chunks.writes`) and the page store (`pages.reads`,
-`pages.writes`).
+"""The checks a read applies to the values it received, and the MAC a write signs, used by
+`path.ValuePath` (and so by chunks and pages alike).
 
 - `stored_part`: the stored bytes of one part of a value as it was received (a fresh buffer,
   or in place as the list of its place's buffers), its length checked against the header;
