@@ -65,7 +65,8 @@ def _tier_put(server: LocalRedis, shape: Shape, chunks: Sequence[torch.Tensor], 
     config = _config(server.url, codec)
     tier = RedisTier(config, shape.layout, source.pool, Metrics())
     if not fit:
-        tier.serde = Serde(codec, config.remote_part_size, fit_size_classes=False)
+        tier.serde = tier.values.serde = Serde(codec, config.remote_part_size,
+                                               fit_size_classes=False)
     try:
         server.clear()
         yield lambda: tier.put_each([s.key for s in source.specs], source.objs)

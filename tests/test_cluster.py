@@ -27,8 +27,8 @@ from redis.cluster import RedisCluster
 from lmcache_remote import CacheConfig, CacheEngineKey, PagedKV
 from lmcache_remote.naming.hashing import chunk_hashes, tokens_to_array
 from lmcache_remote.naming.keys import scan_pattern, split_part_key
-from lmcache_remote.storage.chunks.cluster_tier import ClusterRedisTier
 from lmcache_remote.storage.session.client import make_client
+from lmcache_remote.storage.session.cluster_scatter import ClusterScatter
 from tests import kvutil
 from tests import test_foreign_writer as foreign
 from tests.cluster_servers import ClusterServers
@@ -102,7 +102,7 @@ def _store_and_check(url: str, prefix: str, **overrides: object) -> None:
     tokens = torch.arange(TOKENS)
     src, slots = _kv(1), kvutil.slots(TOKENS, 2)
     with _engine(url, prefix, **overrides) as eng:
-        assert isinstance(eng.storage.remote, ClusterRedisTier)
+        assert isinstance(eng.storage.remote.channel, ClusterScatter)  # chosen at build
         assert isinstance(eng.storage.remote.client, RedisCluster)  # connected at start
         assert eng.store(tokens, PagedKV(src, slots)) == TOKENS
         assert eng.lookup(tokens) == TOKENS

@@ -82,9 +82,8 @@ def test_a_put_over_several_connections_writes_every_chunk(
     reader = make_tier(redis_url, key_prefix, pool, "raw")
     tiers += [writer, reader]
     specs, objs = make_chunks(pool, seed=1)
-    assert len(writer._write_windows(objs, wire_windows.WINDOW_BYTES // writer.write_lanes)) == (
-        N_CHUNKS // PER_WINDOW
-    )
+    windows = writer.writes._write_windows(objs, wire_windows.WINDOW_BYTES // writer.write_lanes)
+    assert len(windows) == N_CHUNKS // PER_WINDOW
     assert sum(writer.put_each([s.key for s in specs], objs)) == N_CHUNKS
     assert writer.metrics.get("remote.written_chunks") == N_CHUNKS
     got = reader.get(specs)
@@ -111,7 +110,7 @@ def test_a_broken_connection_fails_its_window_alone_and_leaves_no_half_chunk(
     target = writer._keys(broken[0])[0]
     assert writer.wire is not None
     honest_send = writer.wire._send
-    honest_write = writer._write
+    honest_write = writer.writes._write
     cut, others_done = threading.Event(), threading.Event()
     answered = []
 
@@ -138,7 +137,7 @@ def test_a_broken_connection_fails_its_window_alone_and_leaves_no_half_chunk(
 
     writer.wire.native = False  # the stub cuts the Python path's send (test_wire cuts both)
     writer.wire._send = send  # type: ignore[method-assign]
-    writer._write = write  # type: ignore[method-assign]
+    writer.writes._write = write  # type: ignore[method-assign]
     flags = writer.put_each([s.key for s in specs], objs)  # other windows landed: no raise
     assert cut.is_set()
     assert writer.metrics.get("remote.errors") >= 1
@@ -188,7 +187,7 @@ def test_encoded_bytes_in_flight_stay_within_the_budget(
     writer = make_tier(redis_url, key_prefix, pool, "lz4")
     tiers.append(writer)
     budget = _RecordingBudget(2 * PER_WINDOW * CHUNK_BYTES)  # two windows' worth, of eight lanes
-    writer._write_budget = budget
+    writer.writes._write_budget = budget
     specs, objs = make_chunks(pool, seed=3)
     assert sum(writer.put_each([s.key for s in specs], objs)) == N_CHUNKS
     assert 0 < budget.peak <= budget.total
@@ -264,7 +263,7 @@ def test_the_steps_reads_go_before_a_background_load(
         assert sum(tier.put_each([s.key for s in specs], objs)) == N_CHUNKS
     started: list[Any] = []
     two_in_flight = threading.Event()
-    real = tier._get_window
+    real = tier.reads._get_window
 
     def spy(window: Sequence[ChunkSpec]) -> Any:
         started.append(window[0].key)
@@ -272,7 +271,7 @@ def test_the_steps_reads_go_before_a_background_load(
             two_in_flight.set()
         return real(window)
 
-    monkeypatch.setattr(tier, "_get_window", spy)
+    monkeypatch.setattr(tier.reads, "_get_window", spy)
     got: dict[str, list[MemoryObj]] = {}
 
     def read(name: str, specs: list[ChunkSpec], in_background: bool) -> None:

@@ -71,7 +71,7 @@ def _redis_bytes(server: RedisServer, layout: ChunkLayout, count: int, serde: Se
     db = TokenDatabase(KeyNamespace("m", 1, 0, "bfloat16"), 256, False)
     keys = [s.key for s in db.chunks(list(range(count * 256)))]
     tier = RedisTier(config, layout, pool, Metrics())
-    tier.serde = serde
+    tier.serde = tier.values.serde = serde  # the keys and the value path cut alike
     client = server.client()
     try:
         assert sum(tier.put_each(keys, objs)) == count

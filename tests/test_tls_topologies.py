@@ -32,7 +32,7 @@ from tlsutil import (
 )
 
 from lmcache_remote import PagedKV
-from lmcache_remote.storage.chunks.cluster_tier import ClusterRedisTier
+from lmcache_remote.storage.session.cluster_scatter import ClusterScatter
 
 CHUNK = 64
 TOKENS = 1024
@@ -96,7 +96,7 @@ def test_rediss_cluster_round_trip_on_every_node(tls_cluster: ClusterServers, pk
                                                  key_prefix: str) -> None:
     url = f"rediss+cluster://{tls_cluster.hosts}?{client_tls_query(pki)}"
     with _engine(url, key_prefix) as eng:
-        assert isinstance(eng.storage.remote, ClusterRedisTier)
+        assert isinstance(eng.storage.remote.channel, ClusterScatter)  # chosen at build
         eng.check_remote()
     assert _round_trip(url, key_prefix, torch.arange(TOKENS), seed=1) == TOKENS
     for master in tls_cluster.masters:  # the chunks spread over every node, all over TLS

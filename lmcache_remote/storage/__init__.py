@@ -18,7 +18,9 @@ Folders by concept, from the bottom up (each opens with its contract; imports ru
 The modules' earlier paths (`lmcache_remote.storage.bulk`, `.redis_tier`, `.remote_lookup`, ...,
 all side by side in this folder before) still import: each gives the very objects of the
 module (or, for `redis_commands`, the two modules) that hold its names now (`MOVED`), so code
-written against them keeps working; so does `chunks.value_checks` (now `value.checks`).
+written against them keeps working; so do `chunks.value_checks` (now `value.checks`) and
+`chunks.cluster_tier` (a cluster's tier is now `chunks.redis_tier.RedisTier` over a cluster's
+channel).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import types
 MOVED = {
     "access": "session.access", "arena": "wire.arena", "base": "tier",
     "budget": "manager.budget", "bulk": "wire.bulk", "client": "session.client",
-    "cluster_scatter": "session.cluster_scatter", "cluster_tier": "chunks.cluster_tier",
+    "cluster_scatter": "session.cluster_scatter", "cluster_tier": "chunks.redis_tier",
     "connections": "session.connection_count", "cpus": "local.cpus",
     "deadline": "wire.deadline", "health": "session.health", "lanes": "wire.lanes",
     "local_cpu": "local.cpu_tier", "memory": "local.memory", "page_base": "pages.base",
@@ -45,8 +47,8 @@ MOVED = {
     "resp": "wire.resp", "scan": "session.scan",
     "tiers": "chunks.factory", "toucher": "chunks.toucher",
     "value_checks": "value.checks", "write_behind": "manager.write_behind",
-    # moved again since, inside a folder
-    "chunks.value_checks": "value.checks",
+    # moved again since, inside a folder (a cluster's tier is a `RedisTier` on its channel)
+    "chunks.value_checks": "value.checks", "chunks.cluster_tier": "chunks.redis_tier",
 }
 
 

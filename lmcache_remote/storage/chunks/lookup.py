@@ -14,10 +14,12 @@ round trip (`_keys`; the keys and packed `EXISTS` of the hot prefixes are kept b
   the `get`; docs/value-format.md). A chunk a read found foreign is reported absent for a
   while, so that this process's lookups stop promising what its reads will not serve.
 - `touch_later`: the LRU refresh of chunks a lookup promised (`toucher.Toucher`).
-- On a single server every batch goes through `bulk.BulkPipeline` on redis-py's own pooled
-  connections (a cluster's lookup replaces the batches: `cluster_tier.ClusterLookup`). Every
-  call goes through `RemoteCaller`: bounded by `remote_timeout`, one immediate retry on a
-  broken connection, skipped at once while the health gate backs off.
+- Every batch goes through the tier's `session.channel.Channel`, chosen when the lookup is
+  built (`open_channel`): on a single server `bulk.BulkPipeline` on redis-py's own pooled
+  connections (the `EXISTS` commands packed once), on a cluster one pipeline per node, a
+  failed node's chunks unknown (absent) while the others answer. Every call goes through
+  `RemoteCaller`: bounded by `remote_timeout`, one immediate retry on a broken connection,
+  skipped at once while the health gate backs off.
 
 This is all the vLLM scheduler's lookup needs (`factory.make_remote_lookup`); `RedisTier` adds
 the reads (`reads`) and the writes (`writes`).
@@ -45,14 +47,8 @@ from lmcache_remote.naming.keys import CacheEngineKey, probe_key
 from lmcache_remote.storage.chunks.toucher import Toucher
 from lmcache_remote.storage.local.cpus import available_cpus
 from lmcache_remote.storage.local.memory import ChunkLayout
-from lmcache_remote.storage.session.client import (
-    RemoteCaller,
-    make_client,
-    shut_down_in_use,
-    sockets_in_use,
-)
-from lmcache_remote.storage.session.health import HealthGate
-from lmcache_remote.storage.wire.bulk import BulkPipeline, supports
+from lmcache_remote.storage.session.channel import Channel, failed, open_channel
+from lmcache_remote.storage.wire.bulk import BulkPipeline
 from lmcache_remote.storage.wire.commands import listed_part_count
 from lmcache_remote.storage.wire.resp import pack_command
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
@@ -85,14 +81,16 @@ ADMIT_SCRIPT = (
 
 
 class RemoteLookup:
-    """Which chunks one Redis/Valkey server holds; see the module doc. Thread-safe."""
+    """Which chunks Redis/Valkey (one server or a cluster) holds; see the module doc.
+    Thread-safe. ``client``: a redis-py client to use instead of the configured URL's (a
+    `RedisCluster` makes it a cluster's)."""
 
     def __init__(
         self,
         config: CacheConfig,
         layout: ChunkLayout,
         metrics: Metrics,
-        client: redis.Redis | None = None,
+        client: Any = None,
     ) -> None:
         self.config = config
         self.prefix = config.key_prefix
@@ -100,16 +98,18 @@ class RemoteLookup:
         self.metrics = metrics
         threads = config.serde_threads or available_cpus()
         self.serde = Serde(config.serde, config.remote_part_size, threads, fit_size_classes=True)
-        self.client = client if client is not None else make_client(config)
-        self.wire = BulkPipeline(self.client) if supports(self.client) else None
         self._key_cache: dict[tuple[CacheEngineKey, int], list[str]] = {}
         self._nparts_cache: dict[int, int] = {}
         self._exists_cache: dict[tuple[CacheEngineKey, int], bytes] = {}
-        self.gate = HealthGate(config.unhealthy_backoff)
-        self.caller = RemoteCaller(config.remote_timeout, self.gate)
-        self._log = RateLimitedLogger(logger)
+        self.log = RateLimitedLogger(logger)
+        self._log = self.log
         #: The longest reply a chunk read accepts (`sizing.longest_value`).
         self._longest = longest_value(layout.nbytes(config.chunk_size))
+        #: Every batch's way to Redis: one server's or a cluster's, chosen here, once.
+        self.channel: Channel = open_channel(config, metrics, self._log, self._longest,
+                                             client=client)
+        self.gate = self.channel.gate
+        self.caller = self.channel.caller
         # None with `remote_lru_touch` off: nothing is noted, no thread starts, no TOUCH is sent
         self.toucher: Toucher | None = (
             Toucher(self._send_touches, metrics, self._log) if config.remote_lru_touch else None)
@@ -141,9 +141,19 @@ class RemoteLookup:
         """The keys of the chunk's values as this tier writes it (value 0 first)."""
         return self._keys(spec)
 
+    @property
+    def client(self) -> Any:
+        """The redis-py client as it is now (a cluster's: a placeholder until it answers)."""
+        return self.channel.client
+
+    @property
+    def wire(self) -> BulkPipeline | None:
+        """A single server's bulk pipeline (None on a cluster)."""
+        return self.channel.bulk
+
     def redis_client(self) -> Any:
         """The redis-py client for plain commands (a cluster's, once it answers)."""
-        return self.client
+        return self.channel.redis_client()
 
     def _exists_command(self, spec: ChunkSpec) -> bytes:
         """``EXISTS key part1 ...`` of the chunk, packed once and cached."""
@@ -162,12 +172,11 @@ class RemoteLookup:
         if not specs:
             return []
         key_lists = [self._keys(s) for s in specs]
-
-        wire = self._bulk()
-        counts: list[Any] = self.caller.call(
-            lambda: wire.execute([self._exists_command(s) for s in specs]))
-        return self._not_known_foreign(specs, self._present(specs, key_lists,
-                                                            [int(c) for c in counts]))
+        commands: list[Any] = ([self._exists_command(s) for s in specs]
+                               if self.channel.takes_packed
+                               else [("EXISTS", *keys) for keys in key_lists])
+        counts = [None if failed(r) else int(r) for r in self.channel.run(commands, "lookup")]
+        return self._not_known_foreign(specs, self._present(specs, key_lists, counts))
 
     def admit(self, specs: Sequence[ChunkSpec], window_ms: int) -> tuple[list[bool], list[int]]:
         """`contains` for a store under `store_after`, in the same one round trip: per chunk
@@ -187,8 +196,7 @@ class RemoteLookup:
     def _lookup_batch(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """One pipeline of small lookup commands through the bulk path; their replies (None
         where a cluster's node failed)."""
-        wire = self._bulk()
-        return list(self.caller.call(lambda: wire.execute(commands)))
+        return [None if failed(r) else r for r in self.channel.run(commands, "lookup")]
 
     def _not_known_foreign(self, specs: Sequence[ChunkSpec], present: list[bool]) -> list[bool]:
         """``present`` less the chunks this process found foreign a moment ago (a value it
@@ -205,9 +213,10 @@ class RemoteLookup:
         (plain redis-py) does not: a `BackendError` naming the cause when it cannot talk to the
         server (a redis-py this path does not support), so that a broken cache is loud at
         start-up instead of silently missing."""
-        if self.wire is None:
+        wire = self.channel.bulk
+        if wire is None:
+            self.channel.check()
             return
-        wire = self.wire
         key = probe_key(self.prefix, "bulk")
         try:
             reply = self.caller.call(lambda: wire.execute([("EXISTS", key)]))[0]
@@ -219,13 +228,6 @@ class RemoteLookup:
         if not isinstance(reply, int):
             raise BackendError(f"the bulk path got {reply!r} for EXISTS")
 
-    def _bulk(self) -> BulkPipeline:
-        """The bulk pipeline every single-server batch goes through (a `redis.Redis`, plain,
-        TLS or Sentinel's master, always has one; a cluster's tier replaces each batch)."""
-        if self.wire is None:
-            raise BackendError(f"the bulk path cannot drive a {type(self.client).__name__}")
-        return self.wire
-
     def _known_foreign(self, key: CacheEngineKey) -> bool:
         with self._foreign_lock:
             seen = self._foreign.get(key)
@@ -236,7 +238,7 @@ class RemoteLookup:
             del self._foreign[key]
             return False
 
-    def _note_foreign(self, key: CacheEngineKey) -> None:
+    def note_foreign(self, key: CacheEngineKey) -> None:
         """A read found ``key``'s value foreign: `contains` reports it absent for
         `_FOREIGN_SECONDS` (at most `_FOREIGN_KEPT` such keys, the oldest forgotten first)."""
         with self._foreign_lock:
@@ -270,17 +272,9 @@ class RemoteLookup:
         return present
 
     def _lookup_run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """The replies of a few lookup commands (one pipeline); an error answer is its reply."""
-        if not commands:
-            return []
-
-        def op() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            return list(pipe.execute(raise_on_error=False))
-
-        return list(self.caller.call(op))
+        """The replies of a few lookup commands (one pipeline); an error answer is its reply
+        (`FAILED` where a cluster's node failed)."""
+        return self.channel.run(commands, "lookup", bulk=False, raise_on_error=False)
 
     # -- LRU refreshes, life cycle -------------------------------------------------------
 
@@ -299,28 +293,20 @@ class RemoteLookup:
             toucher.close()
 
     def _send_touches(self, commands: list[tuple[Any, ...]]) -> None:
-        def op() -> list[Any]:
-            if self.wire is not None:
-                return self.wire.execute(commands)
-            pipe = self.client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            return list(pipe.execute())
-
-        self.caller.call(op)
+        self.channel.run(commands, "touch")
 
     def stop_io(self) -> None:
         """No new remote call starts (the health gate closes for good), and every call in
         flight fails now: each connection in use is shut down (`socket.shutdown`: a send or
         receive blocked on a paused or slow server returns at once, in redis-py or in the
         native loop). The sockets stay open, so their descriptors cannot be reused under a
-        thread that still holds one; `close` closes them once every thread is done."""
-        self.gate.close()
-        shut_down_in_use(self.client)
+        thread that still holds one; `close` closes them once every thread is done (a
+        cluster's: every node's)."""
+        self.channel.stop_io()
 
     def sockets_busy(self) -> bool:
         """Whether some thread holds one of the client's connections now (is doing I/O)."""
-        return bool(sockets_in_use(self.client))
+        return self.channel.sockets_busy()
 
     def close(self) -> None:
         """Stops all I/O (`stop_io`), waits for the tier's threads (`_join_threads`), then
@@ -330,12 +316,13 @@ class RemoteLookup:
         self.stop_io()
         self._join_threads()
         self.serde.close()
-        self.client.close()
+        self.channel.close()
 
     def _join_threads(self) -> None:
         """Waits for the threads a subclass started (the lookup itself starts none but the
         toucher's, which `close` closes)."""
 
     def ping(self) -> bool:
-        """True if the server answers now (honours the health gate's back-off)."""
-        return bool(self.caller.call(self.client.ping))
+        """True if the server (every primary of a cluster) answers now (honours the health
+        gate's back-off)."""
+        return self.channel.ping()

@@ -1,4 +1,5 @@
-"""The read half of `RedisTier`: chunks out of Redis/Valkey, whole, checked, or not at all.
+"""The reads of `RedisTier` (`ChunkReads`): chunks out of Redis/Valkey, whole, checked, or not
+at all.
 
 - `get`: pipelined GETs in windows of about `wire.commands.WINDOW_BYTES` (with several
   `read_lanes`, that over the lanes, each window over its own connection, taken in order);
@@ -10,8 +11,8 @@
   in place
   (`remote.unauthenticated_chunks`). Such a window arrives in runs of about
   `VERIFY_RUN_BYTES`, one run's MACs checked while the next run is received.
-- GET replies are received through `bulk.BulkPipeline` (a cluster: per node,
-  `ClusterRedisTier._bulk_get`) into the chunk's own memory when the value is stored raw,
+- GET replies are received through the tier's channel (`bulk.BulkPipeline`; a cluster's:
+  per node) into the chunk's own memory when the value is stored raw,
   otherwise into a reused arena; a reply is used only after the whole batch arrived, and a
   broken batch is an error, never a partial chunk. The whole read ends within
   `remote_timeout` (`deadline.call_deadline`).
@@ -31,44 +32,51 @@ from lmcache_remote.errors import (
     ForeignEntryError,
 )
 from lmcache_remote.naming.hashing import ChunkSpec
+from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage.chunks.lookup import RemoteLookup
 from lmcache_remote.storage.local.memory import MemoryObj
-from lmcache_remote.storage.tier import StorageTier
+from lmcache_remote.storage.session.channel import failed
 from lmcache_remote.storage.value.path import ValuePath, Verdicts
 from lmcache_remote.storage.wire import windows as wire_windows
 from lmcache_remote.storage.wire.arena import ArenaPool
 from lmcache_remote.storage.wire.commands import regroup
 from lmcache_remote.storage.wire.deadline import call_deadline
+from lmcache_remote.storage.wire.lanes import LaneThreads
 from lmcache_remote.storage.wire.resp import Reply
 from lmcache_remote.storage.wire.windows import byte_windows, read_ahead
-from lmcache_remote.values.integrity import IntegrityKey
 from lmcache_remote.values.value_format import header_nbytes
 
 logger = logging.getLogger(__name__)
-#: Raw bytes per run of a window read with an `integrity_key` (`RemoteReads._get_window`).
+#: Raw bytes per run of a window read with an `integrity_key` (`ChunkReads._get_window`).
 VERIFY_RUN_BYTES = 4 * 1024 * 1024
 #: Gives a read its chunk buffer of so many tokens, or None when there is no room.
 Allocator = Callable[[int], MemoryObj | None]
 
 
-class RemoteReads(RemoteLookup, StorageTier):
-    """The read half of `RedisTier` (see the module doc); `RedisTier.__init__` sets the
-    attributes declared here."""
+class ChunkReads:
+    """The reads of `RedisTier` (see the module doc), a part it is built from: over the
+    tier's lookup (``lookup``: its keys, layout, serde, metrics and channel), its value path
+    and verdicts, the buffers ``allocate`` gives, the tier's ``lanes`` and its ``delete`` (a
+    damaged chunk is deleted). ``read_lanes``: connections one read uses at once."""
 
-    allocate: Allocator
-    integrity: IntegrityKey | None
-    values: ValuePath
-    verdicts: Verdicts
-    read_lanes: int
-    _arenas: ArenaPool
-    _lane_pool: Callable[[str, int], Any]
+    def __init__(self, lookup: RemoteLookup, values: ValuePath, verdicts: Verdicts,
+                 allocate: Allocator, lanes: LaneThreads,
+                 delete: Callable[[Sequence[CacheEngineKey]], int], read_lanes: int) -> None:
+        self.lookup = lookup
+        self.values = values
+        self.verdicts = verdicts
+        self.allocate = allocate
+        self.read_lanes = read_lanes
+        self._lanes = lanes
+        self._delete = delete
+        self._arenas = ArenaPool()
 
     def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
         """The leading run of good chunks; the whole read, every window on every lane, ends
         within `remote_timeout` (`deadline.call_deadline`): a read cut short there raises."""
         out: list[MemoryObj] = []
         try:
-            with call_deadline(self.config.remote_timeout):
+            with call_deadline(self.lookup.config.remote_timeout):
                 self._get_wire(specs, out)
             return out
         except BaseException:  # a later window failed: the earlier ones' buffers go back
@@ -89,7 +97,7 @@ class RemoteReads(RemoteLookup, StorageTier):
                 if not complete:
                     break
             return
-        executor = self._lane_pool("_readers", lanes)
+        executor = self._lanes.get("lmcr_reader", lanes, step_first=True)
         futures = [executor.submit(self._get_window, w) for w in windows]
         complete, error = True, None
         for future in futures:
@@ -121,7 +129,7 @@ class RemoteReads(RemoteLookup, StorageTier):
         for spec in window:
             obj = self.allocate(spec.num_tokens)
             if obj is None:
-                self.metrics.inc("remote.pool_full")
+                self.lookup.metrics.inc("remote.pool_full")
                 break
             objs.append(obj)
         arena = self._arenas.acquire()
@@ -129,7 +137,8 @@ class RemoteReads(RemoteLookup, StorageTier):
         pending: Future[Any] | None = None
         try:
             specs = window[: len(objs)]
-            runs = self._verify_runs(specs) if self.integrity is not None else [range(len(specs))]
+            runs = (self._verify_runs(specs) if self.values.integrity is not None
+                    else [range(len(specs))])
             receive = lambda run: self._receive(  # noqa: E731
                 [specs[i] for i in run], [objs[i] for i in run], arena)
             received = receive(runs[0]) if runs else ([], [])
@@ -137,7 +146,7 @@ class RemoteReads(RemoteLookup, StorageTier):
                 if pending is not None:
                     received, pending = pending.result(), None
                 if n + 1 < len(runs):  # the next run comes in while this one is checked
-                    pending = self._lane_pool("_receivers", self.read_lanes).submit(
+                    pending = self._lanes.get("lmcr_receiver", self.read_lanes).submit(
                         contextvars.copy_context().run, receive, runs[n + 1])
                 replies, digests = received
                 for i, values, known in zip(run, replies, digests, strict=True):
@@ -159,7 +168,7 @@ class RemoteReads(RemoteLookup, StorageTier):
     def _verify_runs(self, specs: Sequence[ChunkSpec]) -> list[range]:
         """Consecutive runs of the window's chunks, each about `VERIFY_RUN_BYTES` (at least
         one chunk)."""
-        sizes = [self.layout.nbytes(spec.num_tokens) for spec in specs]
+        sizes = [self.lookup.layout.nbytes(spec.num_tokens) for spec in specs]
         return byte_windows(sizes, VERIFY_RUN_BYTES)
 
     def _receive(
@@ -174,15 +183,17 @@ class RemoteReads(RemoteLookup, StorageTier):
         and hashes each part as it lands (the last buffer of a place is the part's bytes); a
         value of any other size lands in a fresh buffer and fails its checks. Other codecs:
         each stored value goes into the arena as it comes."""
-        key_lists = [self._keys(s) for s in specs]
+        key_lists = [self.lookup.chunk_keys(s) for s in specs]
         places = []  # per value: its chunk, part index, and raw byte range in the chunk
-        totals = [self.layout.nbytes(spec.num_tokens) for spec in specs]  # raw bytes per chunk
+        # raw bytes per chunk
+        totals = [self.lookup.layout.nbytes(spec.num_tokens) for spec in specs]
         for c, (total, keys) in enumerate(zip(totals, key_lists, strict=True)):
-            size = self.serde.part_size_for(total)
+            size = self.lookup.serde.part_size_for(total)
             places += [(c, p, p * size, min(total, (p + 1) * size)) for p in range(len(keys))]
         sink: Any
-        if self.serde.codec.codec_id == 0:
-            mac = self.integrity is not None  # the values this reader serves are authenticated
+        if self.lookup.serde.codec.codec_id == 0:
+            # the values this reader serves are authenticated
+            mac = self.values.integrity is not None
             heads = [header_nbytes(len(keys), mac) for keys in key_lists]
             arena.reserve(sum(heads))
             sink = [[arena.take(heads[chunk]), objs[chunk].raw_view()[start:end]] if part == 0
@@ -199,17 +210,12 @@ class RemoteReads(RemoteLookup, StorageTier):
 
     def _bulk_get(self, commands: list[tuple[str, str]], sink: Any, sizes: list[int],
                   ahead: int, digests: list[int | None]) -> list[Reply]:
-        """Each GET's reply, received where ``sink`` says; None for a missing value. ``sizes``:
-        each reply's expected bytes; ``ahead``: the bytes to keep asked for (`read_ahead`);
-        ``digests``: filled where the receive loop hashed a reply (`BulkPipeline.execute`)."""
-
-        wire = self._bulk()
-
-        def op() -> list[Reply]:
-            return wire.execute(commands, sink, reply_sizes=sizes, inflight_bytes=ahead,
-                                digests=digests, max_bulk=self._longest)
-
-        return list(self.caller.call(op))
+        """Each GET's reply, received where ``sink`` says; None for a missing value or one
+        whose node failed (a cluster's). ``sizes``: each reply's expected bytes; ``ahead``:
+        the bytes to keep asked for (`read_ahead`); ``digests``: filled where the receive
+        loop hashed a reply (`BulkPipeline.execute`)."""
+        replies = self.lookup.channel.run(commands, "get", receive=(sink, sizes, ahead, digests))
+        return [None if failed(r) else r for r in replies]
 
     def _decode_received(self, spec: ChunkSpec, obj: MemoryObj, values: list[Reply],
                          digests: list[int | None]) -> bool:
@@ -217,37 +223,34 @@ class RemoteReads(RemoteLookup, StorageTier):
         for a miss or a bad one. ``digests``: each reply's part checksum as the receive loop
         computed it, or None."""
         if values[0] is None:
-            self.metrics.inc("remote.miss_chunks")
+            self.lookup.metrics.inc("remote.miss_chunks")
             return False
         try:
             nbytes = self.values.check_and_decode(
                 values, digests, name=spec.key.to_string(), hash_bytes=spec.key.hash_bytes,
-                num_tokens=spec.num_tokens, shape=self.layout.shape(spec.num_tokens),
-                dtype=self.layout.dtype, out=obj,
-                refetch=lambda parts: self._fetch([spec.key.part_keys(self.prefix, parts)])[0])
+                num_tokens=spec.num_tokens, shape=self.lookup.layout.shape(spec.num_tokens),
+                dtype=self.lookup.layout.dtype, out=obj,
+                refetch=lambda parts: self._fetch(
+                    [spec.key.part_keys(self.lookup.prefix, parts)])[0])
         except ForeignEntryError as exc:
             self.verdicts.foreign(spec.key.chunk_hash, exc)
-            self._note_foreign(spec.key)
+            self.lookup.note_foreign(spec.key)
             return False
         except CorruptEntryError as exc:
-            self.verdicts.damaged(spec.key.chunk_hash, exc, lambda: self.delete([spec.key]))
+            self.verdicts.damaged(spec.key.chunk_hash, exc, lambda: self._delete([spec.key]))
             return False
-        self.metrics.inc("remote.hit_chunks")
-        self.metrics.inc("remote.read_bytes", nbytes)
+        self.lookup.metrics.inc("remote.hit_chunks")
+        self.lookup.metrics.inc("remote.read_bytes", nbytes)
         return True
 
     def _fetch(self, key_lists: Sequence[Sequence[str]]) -> list[list[bytes | None]]:
-        def op() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            for keys in key_lists:
-                for key in keys:
-                    pipe.get(key)
-            return pipe.execute()
-
-        return regroup(self.caller.call(op), key_lists)
+        """Every value of these key lists, as bytes (None: missing, or its node failed)."""
+        flat = self.lookup.channel.run([("GET", key) for keys in key_lists for key in keys], "get",
+                                bulk=False)
+        return regroup([v if isinstance(v, bytes) else None for v in flat], key_lists)
 
     def _windows(self, specs: Sequence[ChunkSpec], window_bytes: int
                  ) -> list[Sequence[ChunkSpec]]:
         """The specs cut into windows of about ``window_bytes``."""
-        sizes = [self.layout.nbytes(spec.num_tokens) for spec in specs]
+        sizes = [self.lookup.layout.nbytes(spec.num_tokens) for spec in specs]
         return [specs[w.start:w.stop] for w in byte_windows(sizes, window_bytes)]

@@ -1,4 +1,4 @@
-"""The write half of `RedisTier`: chunks into Redis/Valkey, each whole or absent.
+"""The writes of `RedisTier` (`ChunkWrites`): chunks into Redis/Valkey, each whole or absent.
 
 - `put_each`: one command per chunk, so each chunk is written in one atomic step: SET (one
   part), MSET (several parts), or, when `remote_ttl` is set and there are several parts, an
@@ -11,37 +11,42 @@
   are done.
 - Each chunk is encoded by `value.path.ValuePath` (the encode-and-seal pages use too).
   Through `bulk.BulkPipeline` values leave as memoryviews of the chunk buffers (no packer
-  copy) and the checksums are computed as they are sent (a seal per chunk); a cluster's tier
-  writes sealed values per node (`ClusterRedisTier._write`). With an `integrity_key` every
-  value carries a MAC bound to its chunk key.
+  copy) and the checksums are computed as they are sent (a seal per chunk), on a cluster per
+  node (`session.channel.write_values`: a script per chunk there, a node that fails loses
+  only its chunks). With an `integrity_key` every value carries a MAC bound to its chunk key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lmcache_remote.errors import BackendError
 from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage.chunks.lookup import RemoteLookup
 from lmcache_remote.storage.local.memory import MemoryObj
-from lmcache_remote.storage.tier import StorageTier
+from lmcache_remote.storage.session.channel import write_values
 from lmcache_remote.storage.value.path import ValuePath
 from lmcache_remote.storage.wire import windows as wire_windows
 from lmcache_remote.storage.wire.bulk import Seal
-from lmcache_remote.storage.wire.commands import check_transactions, write_batch
+from lmcache_remote.storage.wire.lanes import LaneThreads
 from lmcache_remote.storage.wire.windows import ByteBudget, byte_windows, value_nbytes
 
 
-class RemoteWrites(RemoteLookup, StorageTier):
-    """The write half of `RedisTier` (see the module doc); `RedisTier.__init__` sets the
-    attributes declared here."""
+class ChunkWrites:
+    """The writes of `RedisTier` (see the module doc), a part it is built from: over the
+    tier's lookup (``lookup``: its serde, metrics and channel), its value path, the tier's
+    ``lanes``; ``write_lanes`` connections at once, the expiry ``ttl_ms``, the encoded bytes
+    in flight within one `ByteBudget` of `WINDOW_BYTES`."""
 
-    values: ValuePath
-    write_lanes: int
-    _ttl_ms: int | None
-    _write_budget: ByteBudget
-    _lane_pool: Callable[[str, int], Any]
+    def __init__(self, lookup: RemoteLookup, values: ValuePath, lanes: LaneThreads,
+                 write_lanes: int, ttl_ms: int | None) -> None:
+        self.lookup = lookup
+        self.values = values
+        self.write_lanes = write_lanes
+        self._lanes = lanes
+        self._ttl_ms = ttl_ms
+        self._write_budget = ByteBudget(wire_windows.WINDOW_BYTES)
 
     def put_each(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> list[bool]:
         """Writes the chunks, each in one atomic command; per chunk, whether it landed.
@@ -56,7 +61,8 @@ class RemoteWrites(RemoteLookup, StorageTier):
         is counted (`remote.errors`) and logged, and the failed windows' chunks are False."""
         if not keys:
             return []
-        lanes = self.write_lanes if self.wire is not None else 1
+        # one lane on a cluster: its channel runs the nodes at once
+        lanes = self.write_lanes if self.lookup.wire is not None else 1
         windows = self._write_windows(objs, wire_windows.WINDOW_BYTES // lanes)
         pairs = list(zip(keys, objs, strict=True))
         landed = [False] * len(keys)
@@ -69,7 +75,7 @@ class RemoteWrites(RemoteLookup, StorageTier):
                     error = exc
                     break  # one connection, in order: the rest would fail the same way
         else:
-            executor = self._lane_pool("_writers", lanes)
+            executor = self._lanes.get("lmcr_writer", lanes)
             futures = [(w, executor.submit(self._budgeted_write, [pairs[i] for i in w]))
                        for w in windows]
             for w, future in futures:  # every window runs to its end before put returns
@@ -80,9 +86,9 @@ class RemoteWrites(RemoteLookup, StorageTier):
         if error is not None:
             if not isinstance(error, BackendError) or not any(landed):
                 raise error
-            self.metrics.inc("remote.errors")
-            self._log.warning("write-window", "a write window failed after %d chunks landed: "
-                              "%s", sum(landed), error)
+            self.lookup.metrics.inc("remote.errors")
+            self.lookup.log.warning("write-window", "a write window failed after %d chunks "
+                                    "landed: %s", sum(landed), error)
         return landed
 
     def _write_windows(self, objs: Sequence[MemoryObj], window_bytes: int) -> list[range]:
@@ -92,7 +98,7 @@ class RemoteWrites(RemoteLookup, StorageTier):
 
     def _encoded_cost(self, pairs: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> int:
         """Bytes encoding these chunks allocates, at most: none for raw (views), else their size."""
-        if self.serde.codec.codec_id == 0 and self.wire is not None:
+        if self.lookup.serde.codec.codec_id == 0 and self.lookup.channel.bulk_path:
             return 0
         return sum(obj.nbytes for _, obj in pairs)
 
@@ -115,20 +121,20 @@ class RemoteWrites(RemoteLookup, StorageTier):
         for key, obj in pairs:
             values, seal = self.values.encode(obj, key.to_string(), key.hash_bytes,
                                               obj.tensor.shape[2],
-                                              sealed_on_wire=self.wire is not None)
+                                              sealed_on_wire=self.lookup.channel.bulk_path)
             seals.append(seal)
-            batch.append((key.part_keys(self.prefix, len(values)), values))
-        return self._write(batch, seals if self.wire is not None else None)
+            batch.append((key.part_keys(self.lookup.prefix, len(values)), values))
+        return self._write(batch, seals if self.lookup.channel.bulk_path else None)
 
     def _write(self, batch: Sequence[tuple[list[str], list[Any]]],
                seals: Sequence[Seal | None] | None = None) -> list[bool]:
-        """Write one window of chunks; per chunk, whether it landed (here all or none: a
-        failure raises). ``seals``: per chunk, the checksums the wire fills in as it sends."""
-        wire = self._bulk()
-        commands, command_seals, execs = write_batch(batch, seals, self._ttl_ms)
-        replies = self.caller.call(lambda: wire.execute(commands, seals=command_seals))
-        check_transactions(replies, execs)
-        nbytes = sum(value_nbytes(v) for _, values in batch for v in values)
-        self.metrics.inc("remote.written_chunks", len(batch))
-        self.metrics.inc("remote.written_bytes", nbytes)
-        return [True] * len(batch)
+        """Write one window of chunks (`channel.write_values`); per chunk, whether it landed
+        (a single server's all or none: a failure raises; a cluster's node that failed loses
+        only its own chunks). ``seals``: per chunk, the checksums the wire fills in as it
+        sends."""
+        landed = write_values(self.lookup.channel, batch, seals, self._ttl_ms, "write")
+        nbytes = sum(value_nbytes(v) for (_, values), ok in zip(batch, landed, strict=True)
+                     if ok for v in values)
+        self.lookup.metrics.inc("remote.written_chunks", sum(landed))
+        self.lookup.metrics.inc("remote.written_bytes", nbytes)
+        return landed

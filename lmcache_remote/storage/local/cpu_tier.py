@@ -71,6 +71,11 @@ class LocalCPUTier(StorageTier):
                 stored += 1
         return stored
 
+    def put_each(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> list[bool]:
+        """`put`, per chunk: True, the tier holds it now (stored, or held already)."""
+        self.put(keys, objs)
+        return [True] * len(keys)
+
     def delete(self, keys: Sequence[CacheEngineKey]) -> int:
         removed = []
         with self._lock:

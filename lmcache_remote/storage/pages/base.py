@@ -10,9 +10,10 @@ The store's state (geometry, part plan, serde, client, health gate, staging pool
   run over up to the configured lanes at once (`_windowed`: each window's task in a copy of
   the call's context, so its deadline goes with it), stopping at the first window refused.
 - Bounds: every public call runs under one deadline, `remote_timeout` for the whole call
-  (`storage.deadline`, honoured by the bulk wire on every wait), through `RemoteCaller` (one
-  retry on a broken connection, a health gate that skips a dead server at once). On a Redis
-  Cluster the wire is `cluster_scatter.ClusterWire`: each call's commands go to their nodes
+  (`storage.deadline`, honoured by the bulk wire on every wait), through the store's channel
+  (`session.channel`, as the chunk tier's: `RemoteCaller`, one retry on a broken connection,
+  a health gate that skips a dead server at once). On a Redis Cluster the channel is
+  `cluster_scatter.ClusterScatter`: each call's commands go to their nodes
   as one bulk pipeline per node, concurrently, under the same deadline and each node's own
   gate; a call any of whose nodes fails fails as a whole (a miss, a write reported False). Bytes in
   flight: about `WINDOW_BYTES` of staging per call, plus the encoded values for a compressing
@@ -36,17 +37,15 @@ from typing import Any, TypeVar, cast
 
 import torch
 import xxhash
-from redis.cluster import RedisCluster
 
 from lmcache_remote.config import CacheConfig
 from lmcache_remote.errors import BackendError, BackendUnavailableError
 from lmcache_remote.naming.keys import PageKey, page_scan_pattern
 from lmcache_remote.storage.local.memory import MemoryObj, MemoryPool
-from lmcache_remote.storage.session.client import RemoteCaller, make_client
-from lmcache_remote.storage.session.cluster_scatter import ClusterScatter, ClusterWire
-from lmcache_remote.storage.session.health import HealthGate
+from lmcache_remote.storage.session.channel import Channel, failed, open_channel
+from lmcache_remote.storage.session.cluster_scatter import Receive
 from lmcache_remote.storage.value.path import ValuePath, Verdicts
-from lmcache_remote.storage.wire.bulk import BulkPipeline, Seal, supports
+from lmcache_remote.storage.wire.bulk import Seal
 from lmcache_remote.storage.wire.commands import ttl_ms
 from lmcache_remote.storage.wire.deadline import call_deadline
 from lmcache_remote.storage.wire.lanes import LaneThreads
@@ -102,23 +101,18 @@ class PageStoreBase:
         self.values = ValuePath.from_config(config, self.serde)
         self.integrity: IntegrityKey | None = self.values.integrity
         self.nparts = self.serde.part_count(self.page_nbytes)
-        self.client = client if client is not None else make_client(config)
-        self.gate = HealthGate(config.unhealthy_backoff)
-        self.caller = RemoteCaller(config.remote_timeout, self.gate, "redis pages")
         self.timeout = config.remote_timeout
         self._longest = longest_value(self.page_nbytes)
         self._log = RateLimitedLogger(logger)
+        #: Every batch's way to Redis, the chunk tier's kind (`session.channel`): one
+        #: server's, or a cluster's (whose failed node fails the call: pages stand or fall
+        #: by the batch). Chosen here, once.
+        self.channel: Channel = open_channel(config, self.metrics, self._log, self._longest,
+                                             client=client, name="redis pages",
+                                             error_metric=None)
+        self.gate = self.channel.gate
+        self.caller = self.channel.caller
         self.verdicts = Verdicts(self.metrics, self._log, "page", "pages.")
-        self.scatter: ClusterScatter | None = None
-        self.wire: BulkPipeline | ClusterWire | None = None
-        if supports(self.client):
-            self.wire = BulkPipeline(self.client)
-        elif isinstance(self.client, RedisCluster):
-            # Its own gate, only reported: one node's failure must not close the store.
-            self.scatter = ClusterScatter(config, HealthGate(config.unhealthy_backoff),
-                                          self.metrics, self._log, self._longest,
-                                          error_metric=None, client=self.client)
-            self.wire = ClusterWire(self.scatter, "pages")
         self._ttl_ms = ttl_ms(config)
         # Staging within the budget: one pool, a window never larger than the bound.
         self.pool = MemoryPool(config.max_local_cpu_bytes)
@@ -158,13 +152,13 @@ class PageStoreBase:
         """Whether values can go out of and come into the caller's memory as they lie: the
         bulk wire sends and receives buffers where they are, the raw codec stores bytes as
         they are, and without a MAC to compute over a whole value."""
-        return (self.wire is not None and self.integrity is None
+        return (self.channel.bulk_path and self.integrity is None
                 and self.serde.codec.codec_id == 0)
 
     def _lane_count(self, configured: int) -> int:
         """Connections a call uses at once: the configured lanes over the bulk wire (on a
         cluster, lanes per node), one once the store is closed."""
-        return configured if self.wire is not None and not self._closed.is_set() else 1
+        return configured if self.channel.bulk_path and not self._closed.is_set() else 1
 
     def _windows(self, count: int, lanes: int) -> list[range]:
         """Consecutive runs of page indexes, each about ``WINDOW_BYTES / lanes`` of pages (at
@@ -220,8 +214,9 @@ class PageStoreBase:
         and UNLINK; never touches chunk keys. The number of values deleted."""
         pattern = page_scan_pattern(self.prefix, model_name, geometry)
         deleted = 0
-        for batch in _batches(self.client.scan_iter(match=pattern, count=1000), 500):
-            deleted += int(self.caller.call(_unlinker(self.client, batch)))
+        client = self.channel.redis_client()
+        for batch in _batches(client.scan_iter(match=pattern, count=1000), 500):
+            deleted += int(self.caller.call(_unlinker(client, batch)))
         return deleted
 
     def close(self) -> None:
@@ -229,17 +224,19 @@ class PageStoreBase:
         if self._closed.is_set():
             return
         self._closed.set()
-        self.gate.close()
-        if self.scatter is not None:
-            self.scatter.gate.close()
-            self.scatter.close()
+        self.channel.stop_io()
         self.serde.close()
         self._lanes.shutdown()
         self.pool.trim()
         try:
-            self.client.close()
+            self.channel.close()
         except Exception as exc:  # noqa: BLE001 - closing must not fail a shutdown
             logger.debug("closing the page store's client: %s", exc)
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client as it is now (a cluster's: a placeholder until it answers)."""
+        return self.channel.client
 
     def _staging(self, pages: int, what: str) -> Staging | None:
         """Staging for ``pages`` pages from the budget's pool, a buffer a page (one size for
@@ -260,28 +257,17 @@ class PageStoreBase:
             held.append(obj)
         return Staging(held)
 
-    def _run(self, commands: Sequence[Sequence[Any]], seals: Sequence[Seal | None] | None = None
-             ) -> list[Any]:
-        def op() -> list[Any]:
-            if self.wire is not None:
-                return self.wire.execute(commands, seals=seals)
-            pipe = self.client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            return list(pipe.execute())
-
-        return self._call(op)
-
-    def _call(self, op: Callable[[], _R]) -> _R:
-        """``op`` under the store's gate and retry policy; on a cluster under the nodes' own
-        (`ClusterScatter`), so that one node's failure fails this call only. Either way
-        within `remote_timeout` or the call's deadline, whichever is sooner."""
-        if self.scatter is None:
-            return self.caller.call(op)
-        if self._closed.is_set():
-            raise BackendUnavailableError("redis pages: the store is closed")
+    def _run(self, commands: Sequence[Sequence[Any]], seals: Sequence[Seal | None] | None = None,
+             receive: Receive | None = None) -> list[Any]:
+        """One batch through the channel, within `remote_timeout` or the call's deadline,
+        whichever is sooner: each command's reply. A batch stands or falls whole: a cluster
+        node that failed fails it (`BackendUnavailableError`)."""
         with call_deadline(self.timeout):
-            return op()
+            replies = self.channel.run([tuple(c) for c in commands], "pages", seals=seals,
+                                       receive=receive)
+        if any(failed(r) for r in replies):
+            raise BackendUnavailableError("redis cluster: a node failed in this pages batch")
+        return replies
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.metrics.inc("pages.errors")

@@ -171,8 +171,7 @@ class PageReads(PageStoreBase):
         key_lists = [k.part_keys(self.prefix, self.nparts) for k in keys]
         flat = [("GET", name) for names in key_lists for name in names]
         digests: list[int | None] = [None] * len(flat)
-        wire = self.wire
-        if wire is None or self.serde.codec.codec_id != 0:
+        if not self.channel.bulk_path or self.serde.codec.codec_id != 0:
             replies = self._run(flat)
             return regroup(replies, key_lists), regroup(digests, key_lists)
         size = self.serde.part_size_for(self.page_nbytes)
@@ -187,14 +186,10 @@ class PageReads(PageStoreBase):
                 sink.append([heads[slot * head:(slot + 1) * head], *pieces] if p == 0
                             else pieces)
                 sizes.append(end - start + (head if p == 0 else 0))
-
-        def op() -> list[Any]:
-            return wire.execute(flat, sink, reply_sizes=sizes,
-                                inflight_bytes=read_ahead([self.page_nbytes]),
-                                digests=digests, max_bulk=self._longest)
-
-        replies = [_as_received(reply, place) for reply, place in
-                   zip(self._call(op), sink, strict=True)]
+        received = self._run(flat, receive=(sink, sizes, read_ahead([self.page_nbytes]),
+                                            digests))
+        replies = [_as_received(reply, place)
+                   for reply, place in zip(received, sink, strict=True)]
         return regroup(replies, key_lists), regroup(digests, key_lists)
 
     def _decode(self, key: PageKey, values: list[Any], out: torch.Tensor,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lmcache_remote.errors import BackendError
+from lmcache_remote.errors import BackendError, BackendUnavailableError
 from lmcache_remote.naming.keys import PageKey
 from lmcache_remote.storage.pages.base import (
     PageCopy,
@@ -30,12 +30,9 @@ from lmcache_remote.storage.pages.base import (
     cut_pieces,
     xxh3_of,
 )
+from lmcache_remote.storage.session.channel import write_values
 from lmcache_remote.storage.wire.bulk import Seal
-from lmcache_remote.storage.wire.commands import (
-    check_transactions,
-    chunk_write_command,
-    write_batch,
-)
+from lmcache_remote.storage.wire.deadline import call_deadline
 from lmcache_remote.storage.wire.windows import value_nbytes
 from lmcache_remote.values.value_format import header_nbytes
 
@@ -81,15 +78,13 @@ class PageWrites(PageStoreBase):
 
     def _write_pages(self, batch: Sequence[tuple[list[str], list[Any]]],
                      seals: Sequence[Seal | None] | None) -> None:
-        """One window of pages, each whole or absent: on a single server through the bulk
-        wire, a multi-part page with an expiry as a transaction (`write_batch`, as chunks);
-        on a cluster one `chunk_write_command` each, routed by its key."""
-        if self.wire is None or self.scatter is not None:
-            self._run([chunk_write_command(keys, values, self._ttl_ms)
-                       for keys, values in batch], seals)
-            return
-        commands, command_seals, execs = write_batch(batch, seals, self._ttl_ms)
-        check_transactions(self._run(commands, command_seals), execs)
+        """One window of pages, each whole or absent (`session.channel.write_values`, as
+        chunks: a multi-part page with an expiry a transaction on a single server, a script
+        on a cluster); a page that did not land (its node failed) fails the window."""
+        with call_deadline(self.timeout):
+            landed = write_values(self.channel, batch, seals, self._ttl_ms, "pages")
+        if not all(landed):
+            raise BackendUnavailableError("redis cluster: a node failed in this pages batch")
 
     def _send_in_place(self, keys: Sequence[PageKey], window: range,
                        places: PagePlaces) -> None:
@@ -119,10 +114,10 @@ class PageWrites(PageStoreBase):
             fill(i, staging[slot])
             values, seal = self.values.encode(staging[slot], keys[i].relative_key(),
                                               keys[i].hash_bytes, self.page_tokens,
-                                              sealed_on_wire=self.wire is not None)
+                                              sealed_on_wire=self.channel.bulk_path)
             seals.append(seal)
             batch.append((keys[i].part_keys(self.prefix, len(values)), values))
             nbytes += sum(value_nbytes(v) for v in values)
-        self._write_pages(batch, seals if self.wire is not None else None)
+        self._write_pages(batch, seals if self.channel.bulk_path else None)
         self.metrics.inc("pages.written", len(window))
         self.metrics.inc("pages.written_bytes", nbytes)

@@ -8,8 +8,11 @@
 - `scan`: SCAN over every primary of a cluster;
 - `pins`: the fleet's pin registry and its scripts (docs/pins.md);
 - `publisher`: the engine's published figures and the fleet's chores;
-- `cluster_scatter`: `ClusterScatter`, a batch as one bulk pipeline per node in parallel under
-  the call's deadline, and `ClusterWire`, the page store's wire on a cluster;
+- `channel`: `Channel`, every batch's way to Redis for chunks and pages alike, each command's
+  reply or `FAILED` (`ServerChannel` for one server; `open_channel` chooses, once), and
+  `write_values`, each chunk or page by one atomic command;
+- `cluster_scatter`: `ClusterScatter`, a cluster's channel: a batch as one bulk pipeline per
+  node in parallel under the call's deadline;
 - `connection_count`: how many connections an engine opens (pool sizes, the scatter's node
   threads).
 

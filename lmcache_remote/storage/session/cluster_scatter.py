@@ -1,7 +1,8 @@
 """ClusterScatter: one batch of commands over a Redis/Valkey Cluster, one pipeline per node.
 
-What the cluster tiers share: the chunk tier (`cluster_tier.ClusterLookup` and
-`ClusterRedisTier`) and the page store (`pages.PageStore`, through `ClusterWire`).
+A cluster's `channel.Channel`, chosen when a tier or store is built (`channel.open_channel`):
+the chunk tier's (`chunks.lookup.RemoteLookup`, `chunks.redis_tier.RedisTier`) and the page
+store's (`pages.PageStore`) on a `redis+cluster://` URL.
 
 - Every command names keys of one hash slot (a chunk's or a page's `{hash}` tag), so a batch is
   grouped by the slot's primary node (the client's slot table), sent as one pipeline per node,
@@ -22,7 +23,8 @@ What the cluster tiers share: the chunk tier (`cluster_tier.ClusterLookup` and
   unreachable at start-up makes misses until it answers instead of failing the engine's start.
 
 ``gate`` is the owner's tier-wide health flag: healthy after a batch with no node failure,
-unhealthy after one with any; closing it (`stop_io`) stops every node.
+unhealthy after one with any; closing it (`stop_io`) stops every node. ``caller`` runs plain
+calls on the cluster client under that gate.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ from lmcache_remote.storage.session.client import (
     RemoteCaller,
     make_client,
     shut_down_in_use,
+    sockets_in_use,
     translate,
 )
 from lmcache_remote.storage.session.health import HealthGate
 from lmcache_remote.storage.wire.bulk import BulkPipeline, Seal
 from lmcache_remote.storage.wire.commands import command_key
-from lmcache_remote.storage.wire.resp import Reply, Sink
+from lmcache_remote.storage.wire.resp import Sink
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 logger = logging.getLogger(__name__)
@@ -82,20 +85,33 @@ def failed(reply: Any) -> bool:
     return reply is FAILED or isinstance(reply, Exception)
 
 
+class _Unconnected:
+    """Stands in for the cluster client until it is built; only `close` is ever called."""
+
+    connection_pool = None
+
+    def close(self) -> None:
+        pass
+
+
 class ClusterScatter:
-    """Batches over a `RedisCluster`, one pipeline per node; see the module doc. Thread-safe."""
+    """Batches over a `RedisCluster`, one pipeline per node; see the module doc. Thread-safe.
+    A `channel.Channel`."""
+
+    takes_packed = False  # commands are grouped by their key: tuples, never packed bytes
+    transactions = False  # a batch spans nodes: one atomic command per chunk or page
+    bulk_path = True
+    bulk = None
 
     def __init__(self, config: CacheConfig, gate: HealthGate, metrics: Metrics,
                  log: RateLimitedLogger, longest: int, error_metric: str | None = "remote.errors",
-                 client: RedisCluster | None = None,
-                 on_connect: Callable[[RedisCluster], None] | None = None) -> None:
+                 client: RedisCluster | None = None) -> None:
         self.config = config
         self.gate = gate
         self.metrics = metrics
         self._log = log
         self._longest = longest
         self._error_metric = error_metric
-        self._on_connect = on_connect
         self._cluster: RedisCluster | None = client
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
@@ -103,6 +119,7 @@ class ClusterScatter:
         self._executor = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="lmcr-cluster")
         self._connect_caller = RemoteCaller(config.remote_timeout, HealthGate(
             config.unhealthy_backoff), "redis cluster")
+        self.caller = RemoteCaller(config.remote_timeout, gate, "redis cluster")
         self._refresh_at = 0.0
         self._refreshing = False
         if client is None:
@@ -120,8 +137,6 @@ class ClusterScatter:
         with self._connect_lock:
             if self._cluster is None:
                 self._cluster = self._connect_caller.call(self._connect)
-                if self._on_connect is not None:
-                    self._on_connect(self._cluster)
         return self._cluster
 
     def _connect(self) -> RedisCluster:
@@ -132,7 +147,24 @@ class ClusterScatter:
         assert isinstance(client, RedisCluster)  # the caller checked the URL's kind
         return client
 
-    def caller(self, node: ClusterNode) -> RemoteCaller:
+    @property
+    def client(self) -> Any:
+        """The cluster client once built, a placeholder with only `close()` until then."""
+        return self._cluster if self._cluster is not None else _Unconnected()
+
+    def redis_client(self) -> RedisCluster:
+        return self.cluster()
+
+    def check(self) -> None:
+        return None  # every node's batch goes through the bulk path, checked per node
+
+    def sockets_busy(self) -> bool:
+        cluster = self._cluster
+        return any(sockets_in_use(node.redis_connection)
+                   for node in (cluster.get_nodes() if cluster is not None else ())
+                   if node.redis_connection is not None)
+
+    def node_caller(self, node: ClusterNode) -> RemoteCaller:
         """The node's own caller (its gate closed from the start once `stop_io` ran)."""
         with self._lock:
             caller = self._callers.get(node.name)
@@ -148,13 +180,13 @@ class ClusterScatter:
         """True if every primary of the cluster answers now."""
         cluster = self.cluster()
         return all(
-            bool(self.caller(node).call(cluster.get_redis_connection(node).ping))
+            bool(self.node_caller(node).call(cluster.get_redis_connection(node).ping))
             for node in cluster.get_primaries()
         )
 
     def stop_io(self) -> None:
-        """Every node's gate closed, their connections in use shut down (the owner closes
-        ``gate``)."""
+        """Every node's gate and ``gate`` closed, their connections in use shut down."""
+        self.gate.close()
         self._connect_caller.gate.close()
         with self._lock:
             callers = list(self._callers.values())
@@ -165,15 +197,16 @@ class ClusterScatter:
             shut_down_in_use(node.redis_connection)
 
     def close(self) -> None:
-        """`stop_io`, then waits for the node threads."""
+        """`stop_io`, then waits for the node threads and closes the cluster client."""
         self.stop_io()
         self._executor.shutdown(wait=True)
+        self.client.close()
 
     # -- scatter / gather ---------------------------------------------------------------------
 
-    def run(self, commands: Sequence[Command], what: str, bulk: bool = True,
-            receive: Receive | None = None, seals: Sequence[Seal | None] | None = None
-            ) -> list[Any]:
+    def run(self, commands: Sequence[Command], what: str, *, bulk: bool = True,
+            receive: Receive | None = None, seals: Sequence[Seal | None] | None = None,
+            raise_on_error: bool = True) -> list[Any]:
         """Each command's reply, in order; `FAILED` where its node failed.
 
         Raises `BackendError` only when the batch had commands and every node it needed failed.
@@ -182,6 +215,8 @@ class ClusterScatter:
         ``commands``: each node's bulk replies land where the sink says (a callable sink is
         called from the nodes' threads one at a time), and their digests where the loop made
         them. `seals`, indexed like ``commands``: sealed on the way out, as on a single node.
+        An error answer is always its command's reply (``raise_on_error`` is a single
+        server's choice).
         """
         if not commands:
             return []
@@ -282,7 +317,7 @@ class ClusterScatter:
             return cast(list[Any], pipe.execute(raise_on_error=False))
 
         try:
-            replies = self.caller(node).call(op)
+            replies = self.node_caller(node).call(op)
         except BackendError:
             self.refresh_topology()
             raise
@@ -327,32 +362,6 @@ class ClusterScatter:
         finally:
             with self._lock:
                 self._refreshing = False
-
-
-class ClusterWire:
-    """`bulk.BulkPipeline`'s `execute` over a cluster (`ClusterScatter.run`), for a caller whose
-    batch stands or falls as a whole (the page store): any node failed, or a redirect that
-    could not be followed, fails the batch with `BackendError`."""
-
-    def __init__(self, scatter: ClusterScatter, what: str) -> None:
-        self.scatter = scatter
-        self._what = what
-
-    def execute(self, commands: Sequence[Sequence[Any]], sink: Sink | None = None, *,
-                reply_sizes: Sequence[int] | None = None, inflight_bytes: int = 0,
-                digests: list[int | None] | None = None,
-                seals: Sequence[Seal | None] | None = None, max_bulk: int = 0) -> list[Reply]:
-        """The batch's replies, in order (``max_bulk``: the scatter's own bound applies)."""
-        receive: Receive | None = None
-        if sink is not None:
-            receive = (sink, reply_sizes, inflight_bytes,
-                       digests if digests is not None else [None] * len(commands))
-        replies = self.scatter.run([tuple(c) for c in commands], self._what, receive=receive,
-                                   seals=seals)
-        if any(failed(r) for r in replies):
-            raise BackendUnavailableError(f"redis cluster: a node failed in this {self._what} "
-                                          "batch")
-        return replies
 
 
 def _serialised(sink: Callable[[int, int], Any]) -> Callable[[int, int], Any]:

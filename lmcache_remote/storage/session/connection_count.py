@@ -18,7 +18,7 @@ master):
 The start-up access check opens one connection of its own and closes it before the engine
 serves. The vLLM scheduler's `PrefixLookup` holds one (its lookups run one at a time, its
 touches inline). On a Redis Cluster every node's I/O runs on the tier's node threads
-(`cluster_tier._MAX_THREADS`), so each node sees at most those, the toucher, the publisher,
+(`cluster_scatter.MAX_THREADS`), so each node sees at most those, the toucher, the publisher,
 the slot-table refresh and the callers, whatever the lanes.
 """
 

@@ -45,7 +45,10 @@ class Remote(Protocol):
 
     config: CacheConfig
     gate: HealthGate
-    client: Any
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client to publish with."""
 
 
 class StatsPublisher:

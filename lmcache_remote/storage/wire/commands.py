@@ -1,6 +1,7 @@
 """The commands of the Redis tiers, apart from the tiers themselves.
 
-What `RedisTier` and `ClusterRedisTier` (and the admin transfer and the access check) share:
+What the chunk tier and the page store on any channel (and the admin transfer and the access
+check) share:
 the one atomic command that writes a chunk or a page (`chunk_write_command`, `write_batch`),
 its routing key (`command_key`) and the expiry it sets (`ttl_ms`), the checks of a
 transaction's replies, and the small readers of a chunk's replies (`regroup`,
