@@ -143,9 +143,11 @@ class Fleet:
     """The module's engines by name; see the module docstring."""
 
     def __init__(self, model_dir: Path, redis_url: str, logs: Path,
-                 defaults: dict[str, Any] | None = None) -> None:
+                 defaults: dict[str, Any] | None = None,
+                 connector: dict[str, Any] | None = None) -> None:
         self.model_dir = model_dir
         self.defaults = dict(defaults or {})  # spec entries every engine of the fleet gets
+        self.connector = dict(connector or {})  # extra config every connector of it gets
         self.redis_url = redis_url
         self.prefix = f"lmcrt{uuid.uuid4().hex[:10]}"
         self.logs = logs
@@ -164,7 +166,7 @@ class Fleet:
             extra = None
             if connector is not False:
                 extra = {"remote_url": self.redis_url, "key_prefix": self.prefix,
-                         "local_cpu": False,
+                         "local_cpu": False, **self.connector,
                          **(connector if isinstance(connector, dict) else {})}
             self._engines[name] = Engine({"model": str(self.model_dir), "connector": extra,
                                           "in_process": True, **self.defaults, **spec},
