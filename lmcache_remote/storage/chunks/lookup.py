@@ -102,17 +102,16 @@ class RemoteLookup:
         self._nparts_cache: dict[int, int] = {}
         self._exists_cache: dict[tuple[CacheEngineKey, int], bytes] = {}
         self.log = RateLimitedLogger(logger)
-        self._log = self.log
         #: The longest reply a chunk read accepts (`sizing.longest_value`).
         self._longest = longest_value(layout.nbytes(config.chunk_size))
         #: Every batch's way to Redis: one server's or a cluster's, chosen here, once.
-        self.channel: Channel = open_channel(config, metrics, self._log, self._longest,
+        self.channel: Channel = open_channel(config, metrics, self.log, self._longest,
                                              client=client)
         self.gate = self.channel.gate
         self.caller = self.channel.caller
         # None with `remote_lru_touch` off: nothing is noted, no thread starts, no TOUCH is sent
         self.toucher: Toucher | None = (
-            Toucher(self._send_touches, metrics, self._log) if config.remote_lru_touch else None)
+            Toucher(self._send_touches, metrics, self.log) if config.remote_lru_touch else None)
         self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
         self._foreign_lock = threading.Lock()
 
@@ -214,8 +213,7 @@ class RemoteLookup:
         server (a redis-py this path does not support), so that a broken cache is loud at
         start-up instead of silently missing."""
         wire = self.channel.bulk
-        if wire is None:
-            self.channel.check()
+        if wire is None:  # a cluster's: every node's batch goes through it, checked per node
             return
         key = probe_key(self.prefix, "bulk")
         try:

@@ -232,12 +232,9 @@ class ChunkReads:
                 dtype=self.lookup.layout.dtype, out=obj,
                 refetch=lambda parts: self._fetch(
                     [spec.key.part_keys(self.lookup.prefix, parts)])[0])
-        except ForeignEntryError as exc:
-            self.verdicts.foreign(spec.key.chunk_hash, exc)
-            self.lookup.note_foreign(spec.key)
-            return False
-        except CorruptEntryError as exc:
-            self.verdicts.damaged(spec.key.chunk_hash, exc, lambda: self._delete([spec.key]))
+        except (ForeignEntryError, CorruptEntryError) as exc:
+            if self.verdicts.settle(spec.key.chunk_hash, exc, lambda: self._delete([spec.key])):
+                self.lookup.note_foreign(spec.key)
             return False
         self.lookup.metrics.inc("remote.hit_chunks")
         self.lookup.metrics.inc("remote.read_bytes", nbytes)

@@ -76,7 +76,6 @@ class RedisTier(RemoteLookup, RemoteTier):
         #: MAC and only values whose MAC verifies are served; the key is read here, at
         #: start-up, never logged.
         self.values = ValuePath.from_config(config, self.serde)
-        self.integrity: IntegrityKey | None = self.values.integrity
         self.verdicts = Verdicts(metrics, self.log, "chunk", "remote.", "_chunks")
         self.pool = pool
         self.allocate = allocate or (lambda n: pool.allocate(layout.shape(n), layout.dtype))
@@ -85,6 +84,11 @@ class RedisTier(RemoteLookup, RemoteTier):
                                 self.delete, config.remote_read_lanes)
         self.writes = ChunkWrites(self, self.values, self._lanes, config.remote_write_lanes,
                                   ttl_ms(config))
+
+    @property
+    def integrity(self) -> IntegrityKey | None:
+        """The integrity key values are signed and checked with (the value path's), or None."""
+        return self.values.integrity
 
     def get(self, specs: Sequence[ChunkSpec]) -> list[MemoryObj]:
         """The leading run of good chunks (`ChunkReads.get`)."""

@@ -99,7 +99,6 @@ class PageStoreBase:
         self.serde = Serde(config.serde, config.remote_part_size, fit_size_classes=True)
         #: The value path chunks use too (`value.path`); the integrity key is read here, once.
         self.values = ValuePath.from_config(config, self.serde)
-        self.integrity: IntegrityKey | None = self.values.integrity
         self.nparts = self.serde.part_count(self.page_nbytes)
         self.timeout = config.remote_timeout
         self._longest = longest_value(self.page_nbytes)
@@ -119,6 +118,11 @@ class PageStoreBase:
         self._window_bytes = max(1, min(window_bytes, config.max_local_cpu_bytes))
         self._lanes = LaneThreads()
         self._closed = threading.Event()
+
+    @property
+    def integrity(self) -> IntegrityKey | None:
+        """The integrity key values are signed and checked with (the value path's), or None."""
+        return self.values.integrity
 
     def present(self, keys: Sequence[PageKey]) -> int:
         """How many leading pages are whole in Redis now (0 on any failure)."""
@@ -257,14 +261,14 @@ class PageStoreBase:
             held.append(obj)
         return Staging(held)
 
-    def _run(self, commands: Sequence[Sequence[Any]], seals: Sequence[Seal | None] | None = None,
+    def _run(self, commands: Sequence[tuple[Any, ...]],
+             seals: Sequence[Seal | None] | None = None,
              receive: Receive | None = None) -> list[Any]:
         """One batch through the channel, within `remote_timeout` or the call's deadline,
         whichever is sooner: each command's reply. A batch stands or falls whole: a cluster
         node that failed fails it (`BackendUnavailableError`)."""
         with call_deadline(self.timeout):
-            replies = self.channel.run([tuple(c) for c in commands], "pages", seals=seals,
-                                       receive=receive)
+            replies = self.channel.run(commands, "pages", seals=seals, receive=receive)
         if any(failed(r) for r in replies):
             raise BackendUnavailableError("redis cluster: a node failed in this pages batch")
         return replies

@@ -128,11 +128,8 @@ class PageReads(PageStoreBase):
                     known = xxh3_of(pieces)
                 if known != header.parts[p][1]:
                     raise CorruptEntryError(f"part {p} fails its checksum")
-        except ForeignEntryError as exc:
-            self.verdicts.foreign(key.page_hash, exc)
-            return False
-        except CorruptEntryError as exc:
-            self.verdicts.damaged(key.page_hash, exc, lambda: self.delete([key]))
+        except (ForeignEntryError, CorruptEntryError) as exc:
+            self.verdicts.settle(key.page_hash, exc, lambda: self.delete([key]))
             return False
         self.metrics.inc("pages.hits")
         self.metrics.inc("pages.read_bytes",
@@ -210,11 +207,8 @@ class PageReads(PageStoreBase):
                 values, digests, name=key.relative_key(), hash_bytes=key.hash_bytes,
                 num_tokens=self.page_tokens, shape=self.page_shape, dtype=self.dtype, out=out,
                 refetch=refetch)
-        except ForeignEntryError as exc:
-            self.verdicts.foreign(key.page_hash, exc)
-            return False
-        except CorruptEntryError as exc:
-            self.verdicts.damaged(key.page_hash, exc, lambda: self.delete([key]))
+        except (ForeignEntryError, CorruptEntryError) as exc:
+            self.verdicts.settle(key.page_hash, exc, lambda: self.delete([key]))
             return False
         except BackendError as exc:
             self._failed("read", exc)

@@ -84,10 +84,6 @@ class Channel(Protocol):
     def redis_client(self) -> Any:
         """The redis-py client for plain commands (a cluster's, connecting on use)."""
 
-    def check(self) -> None:
-        """At start-up: `BackendError` naming the cause when this process cannot talk to the
-        server through the path every chunk read and write takes."""
-
     def ping(self) -> bool:
         """True when every server answers now (honours the health gates' back-off)."""
 
@@ -105,7 +101,6 @@ class Channel(Protocol):
 class ServerChannel:
     """`Channel` over one server; see the module doc. Thread-safe (redis-py's pool is)."""
 
-    takes_packed = True
     transactions = True
 
     def __init__(self, config: CacheConfig, client: Any, gate: HealthGate, longest: int,
@@ -114,7 +109,7 @@ class ServerChannel:
         self.gate = gate
         self.caller = RemoteCaller(config.remote_timeout, gate, name)
         self._bulk = BulkPipeline(client) if supports(client) else None
-        self.bulk_path = self._bulk is not None
+        self.bulk_path = self.takes_packed = self._bulk is not None  # redis-py's takes tuples
         self._longest = longest
 
     @property
@@ -151,9 +146,6 @@ class ServerChannel:
 
     def redis_client(self) -> Any:
         return self._client
-
-    def check(self) -> None:
-        return None  # the bulk path's own check is `RemoteLookup.check_bulk`
 
     def ping(self) -> bool:
         return bool(self.caller.call(self._client.ping))

@@ -155,9 +155,6 @@ class ClusterScatter:
     def redis_client(self) -> RedisCluster:
         return self.cluster()
 
-    def check(self) -> None:
-        return None  # every node's batch goes through the bulk path, checked per node
-
     def sockets_busy(self) -> bool:
         cluster = self._cluster
         return any(sockets_in_use(node.redis_connection)

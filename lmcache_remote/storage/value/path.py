@@ -128,6 +128,16 @@ class Verdicts:
         self._prefix = prefix
         self._suffix = suffix
 
+    def settle(self, name: str, exc: ForeignEntryError | CorruptEntryError,
+               delete: Callable[[], Any]) -> bool:
+        """A value a check refused: `foreign` (left in place: True) or `damaged` (deleted:
+        False)."""
+        if isinstance(exc, ForeignEntryError):
+            self.foreign(name, exc)
+            return True
+        self.damaged(name, exc, delete)
+        return False
+
     def foreign(self, name: str, exc: ForeignEntryError) -> None:
         """A value of another release, or not the one its key names, or one this reader's
         `integrity_key` does not vouch for: a miss, left in place (DESIGN.md, "Redis
