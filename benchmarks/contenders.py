@@ -162,8 +162,8 @@ def redis_bytes(server: LocalRedis, c: Contender, nbytes: int) -> float:
 
 def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object],
          keep_open: Sequence[Contender] = (), busy: bool = False,
-         server_pid: int | None = None, cpu: dict[str, CpuShare] | None = None
-         ) -> dict[str, tuple[float, float]]:
+         server_pid: int | None = None, cpu: dict[str, CpuShare] | None = None,
+         full: LocalRedis | None = None) -> dict[str, tuple[float, float]]:
     """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each;
     every contender is closed after, but those in ``keep_open``. With ``server_pid`` and
     ``cpu``, ``cpu`` gets each contender's median `CpuShare` (the CPU each timed operation
@@ -172,7 +172,9 @@ def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object
     handed its pages back (its ``clean``, then ``settle``, untimed): data left by one
     contender would change the server's memory state, and so the speed, of the next. With
     ``busy`` each contender's put and get run with a spinning Python thread in its own process
-    (and none elsewhere)."""
+    (and none elsewhere). With ``full`` (the server) every put instead starts on a server
+    full of the contender's own values under `maxmemory` (`LocalRedis.fill_with`): the
+    production state of a cache tier, where writes evict and reuse memory."""
     times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in contenders}
     shares: dict[str, list[tuple[float, float, float, float]]] = {c.name: [] for c in contenders}
 
@@ -185,7 +187,10 @@ def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object
         c.clean()
     for rep in range(reps + 1):
         for c in contenders:
-            settle()
+            if full is not None:
+                full.fill_with(c.put)
+            else:
+                settle()
             c.busy(busy)
             before = used(c)
             start = time.perf_counter()
@@ -205,6 +210,8 @@ def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object
                                        after[0] - between[0], after[1] - between[1]))
             c.after()
             c.clean()
+    if full is not None:
+        full.unfill()
     for c in contenders:
         if c not in keep_open:
             c.close()

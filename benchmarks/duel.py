@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.duel                 # 1 MiB x 256, LMCache included
     .venv/bin/python -m benchmarks.duel --set llama --count 16 --reps 5 --no-lmcache
     .venv/bin/python -m benchmarks.duel --busy          # also the duel beside a busy thread
+    .venv/bin/python -m benchmarks.duel --full          # on a server full under maxmemory
 
 The same field as `benchmarks.run`'s side-by-side rows (plain socket, the real LMCache's three
 variants when its environment is there, `RedisTier raw`, `engine raw`), interleaved
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-lmcache", action="store_true")
     parser.add_argument("--busy", action="store_true",
                         help="then the duel with a spinning Python thread in each process")
+    parser.add_argument("--full", action="store_true",
+                        help="every put on a server full of the contender's own values under "
+                        "maxmemory (writes evict and reuse memory, as in production), not an "
+                        "empty one whose every write page-faults")
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     shape = SETS[args.set]
@@ -43,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     res = Results()
     with LocalRedis() as server:
         _side_by_side(res, server, shape, args.count, args.reps, env, ("raw",),
-                      busy=args.busy)
+                      busy=args.busy, full=args.full)
     for line in lmcache_targets(res, side_section(shape, args.count)) if env else []:
         print(line)
     sec = side_section(shape, args.count)

@@ -155,12 +155,15 @@ def _limits(res: Results, server: LocalRedis, chunks: list[torch.Tensor], nbytes
 
 def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, reps: int,
                   env: lmcache_rows.SideEnv | None, codecs: Sequence[str],
-                  busy: bool = False) -> None:
+                  busy: bool = False, full: bool = False) -> None:
     """One duel over ``count`` chunks of ``shape``: the plain socket, the real LMCache (when
     ``env``), the tier and the engine per codec; then Redis's bytes per KV byte for the tier
     and each LMCache variant (`MEMORY USAGE` of every key a put wrote). With ``busy``, a
     second duel of LMCache's ``redis://`` and ``resp://``, the tier and the engine (raw), each
-    with a spinning Python thread in its own process (`busy_section`)."""
+    with a spinning Python thread in its own process (`busy_section`). With ``full`` every put
+    starts on a server full of the contender's own values under `maxmemory`
+    (`LocalRedis.fill_with`: writes evict and reuse memory, as in production), else on an
+    empty one that handed its pages back (`LocalRedis.settle`: every write page-faults)."""
     num_tokens = count * CHUNK
     dense = normal_dense(shape, num_tokens)
     chunks = [chunk_tensor(dense, shape, i) for i in range(count)]
@@ -192,7 +195,8 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, re
     try:
         cpu: dict[str, contenders.CpuShare] = {}
         result = contenders.duel(field, reps, server.settle, keep_open=keep,
-                                 server_pid=server.pid, cpu=cpu)
+                                 server_pid=server.pid, cpu=cpu,
+                                 full=server if full else None)
         for name, (t_put, t_get) in result.items():
             if name.startswith("engine"):
                 put_note, get_note = ("synchronous store, copy out of vLLM's paged layout "
@@ -218,7 +222,7 @@ def _side_by_side(res: Results, server: LocalRedis, shape: Shape, count: int, re
                     "MEMORY USAGE of every key written, keys included")
         if busy:
             result = contenders.duel(busy_field, reps, server.settle, keep_open=busy_field,
-                                     busy=True)
+                                     busy=True, full=server if full else None)
             for name, (t_put, t_get) in result.items():
                 note = "a spinning Python thread in its own process"
                 res.add(busy_section(shape, count), f"{name}: store", gbps(nbytes, t_put),
