@@ -3,10 +3,10 @@
 - Through `RedisTier.put_each` (the native wire computes the checksums as it sends, on one
   lane or several, with and without an expiry), every value of every golden case of
   tests/test_serde.py is the golden file itself, on Redis and Valkey.
-- Through `CacheEngine.store` (the copy out of a paged cache, the windows, the write-behind
-  queue or a synchronous store, with and without an integrity key), every key and value
-  written hashes to the digest pinned below, recorded from the write path of `5d81ffe`
-  (before issue 47's changes to it).
+- Through `CacheEngine.store` (the copy out of a paged cache in windows, each handed to the
+  write-behind queue while the next is copied, or a synchronous store, with and without an
+  integrity key), every key and value written hashes to the digest pinned below, recorded
+  from the write path of `5d81ffe` (before issue 47's changes to it).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from kvutil import engine, metadata, tokens, view
 
 from lmcache_remote import CacheConfig
+from lmcache_remote.engine import cache_engine
 from lmcache_remote.naming.keys import CacheEngineKey
 from lmcache_remote.storage.chunks.redis_tier import RedisTier
 from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
@@ -119,7 +120,8 @@ def _engine_values(url: str, prefix: str, mode: str, integrity: str | None) -> s
 @pytest.mark.parametrize("integrity", [None, "key"])
 def test_a_store_leaves_the_pinned_bytes(mode: str, integrity: str | None, backend_url: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(windows, "WINDOW_BYTES", 8192)  # several windows per store
+    monkeypatch.setattr(windows, "WINDOW_BYTES", 8192)  # several windows per put
+    monkeypatch.setattr(cache_engine, "STORE_WINDOW_BYTES", 1)  # a store window per chunk
     monkeypatch.setenv(KEY_VARIABLE, "golden-integrity-key-" + "7" * 32)
     got = _engine_values(backend_url, "golden", mode, integrity)
     assert got == PINNED[integrity]

@@ -90,11 +90,15 @@ from lmcache_remote.naming.hashing import ChunkSpec, TokenDatabase, tokens_to_ar
 from lmcache_remote.naming.identity import RequestIdentity, resolve
 from lmcache_remote.storage.manager.storage_manager import StorageManager
 from lmcache_remote.storage.session.connection_count import engine_connections
+from lmcache_remote.storage.wire.windows import byte_windows
 from lmcache_remote.telemetry.metrics import Metrics, RateLimitedLogger
 
 __all__ = ["CacheEngine", "EngineMetadata"]
 
 logger = logging.getLogger(__name__)
+#: Bytes of chunks a store copies before it hands them to the write-behind queue
+#: (`CacheEngine.store_windows`): the writer thread writes them while the next are copied.
+STORE_WINDOW_BYTES = 16 * 1024 * 1024
 #: Counters that say why a retrieve delivered less than its lookup promised.
 _BREAK_REASONS = ("memory.no_room_chunks", "remote.pool_full", "remote.miss_chunks",
                   "remote.incomplete_chunks", "remote.corrupt_chunks", "remote.foreign_chunks",
@@ -416,13 +420,33 @@ class CacheEngine:
         return False
 
     def _store_specs(self, specs: list[ChunkSpec], kv: KVView) -> int:
+        """Copies the chunks out of ``kv`` and hands them to the tiers, a window at a time
+        when Redis is written behind (`store_windows`): the writer thread writes one window
+        while this thread copies the next."""
         batch = self._prepare_store(specs)
         try:
-            if batch.copies:
-                kv.gather(batch.copy_ranges(specs), batch.copy_tensors())
-            return self._publish(specs, batch)
+            accepted: dict[int, bool] = {}
+            for window in self.store_windows(specs, batch):
+                copies = [i for i in batch.copies if i in window]
+                if copies:
+                    kv.gather([(specs[i].start, specs[i].end) for i in copies],
+                              [present(batch.sources[i]).tensor for i in copies])
+                accepted.update(self._hand_over(specs, batch, window))
+            return self._held(specs, batch, accepted)
         finally:
             batch.release()
+
+    def store_windows(self, specs: list[ChunkSpec], batch: StoreBatch) -> list[range]:
+        """The windows a store copies and hands over in turn: with the write-behind queue,
+        runs of chunks of about `STORE_WINDOW_BYTES` (the writer starts on the first while
+        the next is copied, docs/benchmarks.md, "Writes at the socket's limit"); else one
+        window, the whole store (a synchronous write waits for its chunks anyway, and one
+        put spreads them over the tier's lanes)."""
+        whole = [range(len(batch.sources))] if batch.sources else []
+        if self.storage.queue is None or len(batch.sources) < 2:
+            return whole
+        sizes = [self.layout.nbytes(specs[i].num_tokens) for i in range(len(batch.sources))]
+        return byte_windows(sizes, STORE_WINDOW_BYTES)
 
     def _store_layers(
         self, specs: list[ChunkSpec], kv: KVView, start: float, then: Callable[[], None]
@@ -507,13 +531,27 @@ class CacheEngine:
 
     def _publish(self, specs: list[ChunkSpec], batch: StoreBatch) -> int:
         """Hand the filled chunks to the tiers; the tokens now held (a prefix)."""
+        return self._held(specs, batch,
+                          self._hand_over(specs, batch, range(len(batch.sources))))
+
+    def _hand_over(self, specs: list[ChunkSpec], batch: StoreBatch, window: range
+                   ) -> dict[int, bool]:
+        """Hand the filled chunks of ``window`` to the tiers; per chunk handed, whether its
+        Redis write was accepted."""
         plan, sources = batch.plan, batch.sources
-        idx = [i for i, o in enumerate(sources) if o is not None]
+        idx = [i for i in window if sources[i] is not None]
+        if not idx:
+            return {}
         accepted = self.storage.write(
             [specs[i].key for i in idx], [present(sources[i]) for i in idx],
             [plan.need_local[i] for i in idx], [plan.need_remote[i] for i in idx],
         )
-        remote_ok = dict(zip(idx, accepted, strict=True))
+        return dict(zip(idx, accepted, strict=True))
+
+    def _held(self, specs: list[ChunkSpec], batch: StoreBatch, remote_ok: dict[int, bool]
+              ) -> int:
+        """The tokens the tiers now hold or have queued (a prefix)."""
+        plan, sources = batch.plan, batch.sources
         held = 0
         for i in range(len(sources)):
             local_held = sources[i] is not None and self.storage.local is not None

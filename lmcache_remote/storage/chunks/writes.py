@@ -5,7 +5,8 @@
   EVAL of `SET ... PX` per part (MSET takes no expiry, and MSET then PEXPIRE could leave parts
   without one if the connection broke in between). `chunk_write_command` builds it for every
   tier. On a single server a put's chunks go out in windows over up to `write_lanes`
-  connections at once (encoding, sending and the server's work overlap across windows);
+  connections at once, fewer for big chunks (`ChunkWrites.lanes_for`): encoding, sending
+  and the server's work overlap across windows;
   encoded bytes in flight stay within one `ByteBudget`, and a window that fails fails alone:
   its chunks are not counted as written, the others' are, and the error is raised when all
   are done.
@@ -32,6 +33,9 @@ from lmcache_remote.storage.wire.bulk import Seal
 from lmcache_remote.storage.wire.lanes import LaneThreads
 from lmcache_remote.storage.wire.windows import ByteBudget, byte_windows, value_nbytes
 
+#: Chunks a write lane's window should hold at least (`ChunkWrites.lanes_for`).
+LANE_CHUNKS = 4
+
 
 class ChunkWrites:
     """The writes of `RedisTier` (see the module doc), a part it is built from: over the
@@ -52,7 +56,7 @@ class ChunkWrites:
         """Writes the chunks, each in one atomic command; per chunk, whether it landed.
 
         On a single server the chunks are cut into windows of about `WINDOW_BYTES / lanes`
-        and up to `write_lanes` windows are encoded and written at once, each over its own
+        and up to `lanes_for(objs)` windows are encoded and written at once, each over its own
         pooled connection: one window's encoding overlaps another's sending, and Redis always
         has bytes to read. Encoded bytes in flight stay within `WINDOW_BYTES` (raw parts are
         views of the chunk buffers and cost nothing). If a window fails, the others still run
@@ -62,7 +66,7 @@ class ChunkWrites:
         if not keys:
             return []
         # one lane on a cluster: its channel runs the nodes at once
-        lanes = self.write_lanes if self.lookup.wire is not None else 1
+        lanes = self.lanes_for(objs) if self.lookup.wire is not None else 1
         windows = self._write_windows(objs, wire_windows.WINDOW_BYTES // lanes)
         pairs = list(zip(keys, objs, strict=True))
         landed = [False] * len(keys)
@@ -90,6 +94,17 @@ class ChunkWrites:
             self.lookup.log.warning("write-window", "a write window failed after %d chunks "
                                     "landed: %s", sum(landed), error)
         return landed
+
+    def lanes_for(self, objs: Sequence[MemoryObj]) -> int:
+        """The connections a put of these chunks uses at once: enough that each lane's
+        window holds `LANE_CHUNKS` of the largest chunks, at least two (one window is encoded
+        while another is sent), at most `write_lanes`. Big chunks then go over few lanes:
+        with 32 MiB chunks eight lanes put eight whole chunks in flight at once, and on 2
+        cores the lane threads and redis-server's reads of eight sockets took more CPU per
+        byte than they saved (docs/benchmarks.md, "Writes at the socket's limit")."""
+        biggest = max((obj.nbytes for obj in objs), default=1)
+        fit = wire_windows.WINDOW_BYTES // (LANE_CHUNKS * max(1, biggest))
+        return min(self.write_lanes, max(2, fit))
 
     def _write_windows(self, objs: Sequence[MemoryObj], window_bytes: int) -> list[range]:
         """Consecutive runs of chunk indexes, each about ``window_bytes`` of raw KV (at least
