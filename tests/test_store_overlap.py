@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import pytest
 import redis
 import torch
-
 from kvutil import BLOCK, BLOCKS, HEAD, HEADS, LAYERS, engine, reference_keys, tokens
+
 from lmcache_remote import PagedKV
 from lmcache_remote.engine import cache_engine
 
