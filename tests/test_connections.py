@@ -4,8 +4,9 @@ write lane is busy and a retrieve runs over the read lanes.
 
 The server's writes are paused (`CLIENT PAUSE WRITE`): each write lane then holds its
 connection in a SET that waits, the stats publisher in its HSET, while reads (GET, EXISTS)
-still run. Windows are made one chunk small (`WINDOW_BYTES` patched), so a store of a few
-dozen small chunks fills every lane, as a store of real 32 MiB chunks does."""
+still run. Windows are made one chunk small (`WINDOW_BYTES` and `LANE_CHUNKS` patched), so
+a store of nine small chunks fills every lane, as a store of a few hundred 1 MiB chunks does
+(chunks of over 2 MiB take fewer lanes: `ChunkWrites.lanes_for`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from kvutil import engine, tokens, view
 
 from lmcache_remote import CacheConfig
+from lmcache_remote.storage.chunks import writes as chunk_writes
 from lmcache_remote.storage.session.connection_count import (
     ConnectionCount,
     engine_connections,
@@ -35,7 +37,10 @@ N = 9 * CHUNK  # one chunk per window: more windows than the 8 write lanes
 
 @pytest.fixture(autouse=True)
 def one_chunk_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wire_windows, "WINDOW_BYTES", CHUNK_BYTES)
+    """Windows of one chunk over every lane: `lanes_for` gives each lane's window one chunk
+    (`LANE_CHUNKS` 1) and all 8 lanes (8 chunks fill `WINDOW_BYTES`)."""
+    monkeypatch.setattr(chunk_writes, "LANE_CHUNKS", 1)
+    monkeypatch.setattr(wire_windows, "WINDOW_BYTES", 8 * CHUNK_BYTES)
 
 
 @pytest.fixture

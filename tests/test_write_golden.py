@@ -22,6 +22,7 @@ from kvutil import engine, metadata, tokens, view
 from lmcache_remote import CacheConfig
 from lmcache_remote.engine import cache_engine
 from lmcache_remote.naming.keys import CacheEngineKey
+from lmcache_remote.storage.chunks import writes as chunk_writes
 from lmcache_remote.storage.chunks.redis_tier import RedisTier
 from lmcache_remote.storage.local.memory import ChunkLayout, MemoryPool
 from lmcache_remote.storage.wire import windows
@@ -61,7 +62,9 @@ def _case_chunks(case: GoldenCase, count: int) -> tuple[list[CacheEngineKey], li
 def test_a_put_leaves_the_golden_bytes(case: GoldenCase, lanes: int, ttl: float | None,
                                        backend_url: str, key_prefix: str,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(windows, "WINDOW_BYTES", 1)  # a window per chunk, over every lane
+    # a window per chunk, over every lane (`lanes_for`: one chunk a lane, `lanes` of them)
+    monkeypatch.setattr(chunk_writes, "LANE_CHUNKS", 1)
+    monkeypatch.setattr(windows, "WINDOW_BYTES", lanes * case.tensor().nbytes)
     golden = [p.read_bytes() for p in case.files()]
     keys, objs, pool = _case_chunks(case, 5)
     shape = case.shape
@@ -72,6 +75,7 @@ def test_a_put_leaves_the_golden_bytes(case: GoldenCase, lanes: int, ttl: float 
     tier.serde = tier.values.serde = case.serde()  # the golden case's part size
     client = redis.Redis.from_url(backend_url)
     try:
+        assert tier.writes.lanes_for(objs) == lanes
         assert tier.put_each(keys, objs) == [True] * len(keys)
         for key in keys:
             names = key.part_keys(key_prefix, len(golden))
