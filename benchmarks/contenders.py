@@ -163,7 +163,8 @@ def redis_bytes(server: LocalRedis, c: Contender, nbytes: int) -> float:
 def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object],
          keep_open: Sequence[Contender] = (), busy: bool = False,
          server_pid: int | None = None, cpu: dict[str, CpuShare] | None = None,
-         full: LocalRedis | None = None) -> dict[str, tuple[float, float]]:
+         full: LocalRedis | None = None, puts: dict[str, list[float]] | None = None
+         ) -> dict[str, tuple[float, float]]:
     """Median (put, get) seconds per contender, repetitions interleaved, one warm-up each;
     every contender is closed after, but those in ``keep_open``. With ``server_pid`` and
     ``cpu``, ``cpu`` gets each contender's median `CpuShare` (the CPU each timed operation
@@ -174,7 +175,8 @@ def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object
     ``busy`` each contender's put and get run with a spinning Python thread in its own process
     (and none elsewhere). With ``full`` (the server) every put instead starts on a server
     full of the contender's own values under `maxmemory` (`LocalRedis.fill_with`): the
-    production state of a cache tier, where writes evict and reuse memory."""
+    production state of a cache tier, where writes evict and reuse memory. ``puts`` gets every
+    timed put's seconds per contender (the spread of the median)."""
     times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in contenders}
     shares: dict[str, list[tuple[float, float, float, float]]] = {c.name: [] for c in contenders}
 
@@ -212,6 +214,8 @@ def duel(contenders: Sequence[Contender], reps: int, settle: Callable[[], object
             c.clean()
     if full is not None:
         full.unfill()
+    if puts is not None:
+        puts.update({name: p for name, (p, _) in times.items()})
     for c in contenders:
         if c not in keep_open:
             c.close()

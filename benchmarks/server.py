@@ -103,9 +103,8 @@ class LocalRedis(RedisServer):
         than the write's does not do it: jemalloc reuses a freed extent of the same size
         class (a side run: 1 MiB filler values under 4 MiB ones left 75% of the page faults).
         `unfill` (or `settle`) ends it."""
-        self.unfill()
         self.clear()
-        self.settle(timeout)
+        self.settle(timeout)  # lifts the last fill's maxmemory first
         client = self.client()
         try:
             filled = 0

@@ -118,30 +118,11 @@ def _duel(server: LocalRedis, shape: Shape, count: int, reps: int, regime: str,
     field += [_tier(server, source, False), _tier(server, source, True),
               _store(server, shape, kv, dest, num_tokens, False),
               _store(server, shape, kv, dest, num_tokens, True)]
-    times: dict[str, list[float]] = {c.name: [] for c in field}
-    cpu: dict[str, list[tuple[float, float]]] = {c.name: [] for c in field}
+    times: dict[str, list[float]] = {}
+    cpu: dict[str, contenders.CpuShare] = {}
     try:
-        for c in field:
-            c.clean()
-        for rep in range(reps + 1):
-            for c in field:
-                if regime == "full":
-                    server.fill_with(c.put)
-                else:
-                    server.settle()
-                mine, theirs = contenders.cpu_seconds(c.pid), contenders.cpu_seconds(server.pid)
-                start = time.perf_counter()
-                c.put()
-                took = time.perf_counter() - start
-                used = (contenders.cpu_seconds(c.pid) - mine,
-                        contenders.cpu_seconds(server.pid) - theirs)
-                c.get()  # every contender's bytes are read back once, checked by its get
-                c.after()
-                c.clean()
-                if rep:
-                    times[c.name].append(took)
-                    cpu[c.name].append(used)
-        server.unfill()
+        contenders.duel(field, reps, server.settle, keep_open=field, server_pid=server.pid,
+                        cpu=cpu, full=server if regime == "full" else None, puts=times)
     finally:
         for c in field:
             c.close()
@@ -155,8 +136,8 @@ def _duel(server: LocalRedis, shape: Shape, count: int, reps: int, regime: str,
             "set": f"{shape.chunk_bytes >> 20} MiB x {count}", "server": regime, "name": c.name,
             "gbps": nbytes / statistics.median(t) / 1e9, "low": nbytes / max(t) / 1e9,
             "high": nbytes / min(t) / 1e9,
-            "client_s_per_gb": statistics.median(u[0] for u in cpu[c.name]) / nbytes * 1e9,
-            "server_s_per_gb": statistics.median(u[1] for u in cpu[c.name]) / nbytes * 1e9,
+            "client_s_per_gb": cpu[c.name].put_client / nbytes * 1e9,
+            "server_s_per_gb": cpu[c.name].put_server / nbytes * 1e9,
         })
     return rows
 

@@ -427,10 +427,8 @@ class CacheEngine:
         try:
             accepted: dict[int, bool] = {}
             for window in self.store_windows(specs, batch):
-                copies = [i for i in batch.copies if i in window]
-                if copies:
-                    kv.gather([(specs[i].start, specs[i].end) for i in copies],
-                              [present(batch.sources[i]).tensor for i in copies])
+                if batch.copies_in(window):
+                    kv.gather(batch.copy_ranges(specs, window), batch.copy_tensors(window))
                 accepted.update(self._hand_over(specs, batch, window))
             return self._held(specs, batch, accepted)
         finally:

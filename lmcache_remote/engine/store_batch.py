@@ -25,11 +25,16 @@ class StoreBatch:
         self.sources: list[MemoryObj | None] = []
         self.copies: list[int] = []
 
-    def copy_ranges(self, specs: list[ChunkSpec]) -> list[tuple[int, int]]:
-        return [(specs[i].start, specs[i].end) for i in self.copies]
+    def copies_in(self, window: range | None = None) -> list[int]:
+        """The chunks still to be copied in, those of ``window`` only when given."""
+        return self.copies if window is None else [i for i in self.copies if i in window]
 
-    def copy_tensors(self) -> list[torch.Tensor]:
-        return [_tensor(self.sources[i]) for i in self.copies]
+    def copy_ranges(self, specs: list[ChunkSpec], window: range | None = None
+                    ) -> list[tuple[int, int]]:
+        return [(specs[i].start, specs[i].end) for i in self.copies_in(window)]
+
+    def copy_tensors(self, window: range | None = None) -> list[torch.Tensor]:
+        return [_tensor(self.sources[i]) for i in self.copies_in(window)]
 
     def release(self) -> None:
         """Drop every reference the batch holds (idempotent)."""

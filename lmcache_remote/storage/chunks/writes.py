@@ -102,8 +102,8 @@ class ChunkWrites:
         with 32 MiB chunks eight lanes put eight whole chunks in flight at once, and on 2
         cores the lane threads and redis-server's reads of eight sockets took more CPU per
         byte than they saved (docs/benchmarks.md, "Writes at the socket's limit")."""
-        biggest = max((obj.nbytes for obj in objs), default=1)
-        fit = wire_windows.WINDOW_BYTES // (LANE_CHUNKS * max(1, biggest))
+        biggest = max([1, *(obj.nbytes for obj in objs)])
+        fit = wire_windows.WINDOW_BYTES // (LANE_CHUNKS * biggest)
         return min(self.write_lanes, max(2, fit))
 
     def _write_windows(self, objs: Sequence[MemoryObj], window_bytes: int) -> list[range]:
