@@ -51,7 +51,12 @@ from lmcache_remote.config import CacheConfig, mask_url
 from lmcache_remote.engine import CacheEngine
 from lmcache_remote.errors import ConfigError
 from lmcache_remote.integrations.huggingface import CachedLM, engine_metadata
-from lmcache_remote.naming.keys import prefix_pattern, scan_pattern, split_part_key
+from lmcache_remote.naming.keys import (
+    keep_pattern,
+    prefix_pattern,
+    scan_pattern,
+    split_part_key,
+)
 from lmcache_remote.storage.session.client import make_client
 from lmcache_remote.values.serde import dtype_name
 
@@ -147,6 +152,7 @@ class DemoReport:
     redis_chunks: int = 0
     redis_keys: int = 0
     redis_bytes: int = 0
+    state_keys: int = 0
     keys_removed: int = 0
 
     @property
@@ -169,7 +175,8 @@ class DemoReport:
             "redis": {"url": self.redis_url, "source": self.redis_source,
                       "key_prefix": self.key_prefix, "chunks": self.redis_chunks,
                       "keys": self.redis_keys,
-                      "bytes": self.redis_bytes, "keys_removed": self.keys_removed},
+                      "bytes": self.redis_bytes, "state_keys": self.state_keys,
+                      "keys_removed": self.keys_removed},
             "shared_prefix_tokens": self.shared_prefix_tokens,
             "rounds": self.rounds,
             "phases": [p.to_dict() for p in self.phases],
@@ -204,6 +211,7 @@ def run_demo(config: CacheConfig, options: DemoOptions, note: Note | None = None
         try:
             _run_phases(model, run_config, meta, rounds, report, say)
             report.redis_chunks, report.redis_keys, report.redis_bytes = _usage(run_config)
+            report.state_keys = _state_keys(run_config)
         finally:
             if not options.keep:
                 report.keys_removed = _remove_keys(run_config)
@@ -239,6 +247,15 @@ def _usage(config: CacheConfig) -> tuple[int, int, int]:
             pipe.strlen(key)
         heads = sum(1 for k in keys if split_part_key(config.key_prefix, k)[1] == 0)
         return heads, len(keys), int(sum(pipe.execute())) if keys else 0
+    finally:
+        client.close()
+
+
+def _state_keys(config: CacheConfig) -> int:
+    """The keep policy's keys under the run's prefix (its index, meta, ghosts, figures)."""
+    client = make_client(config)
+    try:
+        return len(list(client.scan_iter(match=keep_pattern(config.key_prefix), count=1000)))
     finally:
         client.close()
 

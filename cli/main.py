@@ -11,6 +11,7 @@ from lmcache_remote_cli.inspect import inspect
 from lmcache_remote_cli.ls import ls
 from lmcache_remote_cli.pin import pin, unpin
 from lmcache_remote_cli.ping import ping
+from lmcache_remote_cli.replay import replay
 from lmcache_remote_cli.restore import import_
 from lmcache_remote_cli.stats import stats
 from lmcache_remote_cli.warm import warm
@@ -24,5 +25,6 @@ def cli() -> None:
     """Inspect, warm, export and evict the lmcache-remote KV cache in Redis."""
 
 
-for _command in (ping, stats, ls, inspect, evict, pin, unpin, export, import_, warm, demo):
+for _command in (ping, stats, ls, inspect, evict, pin, unpin, export, import_, warm, demo,
+                 replay):
     cli.add_command(_command)

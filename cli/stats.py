@@ -37,6 +37,8 @@ def stats(cx: CliContext, watch: bool, interval: float, count: int) -> None:
         cx.emit(result)
         return
     cx.out.print(_render(cx, result))
+    for warning in result.get("warnings", []):  # stderr, a line each
+        cx.warn(warning)
 
 
 def _watch(cx: CliContext, interval: float, count: int) -> None:
@@ -80,6 +82,10 @@ def _render(cx: CliContext, result: dict[str, Any]) -> RenderableType:
         f"unauthenticated {e['remote_unauthenticated_chunks']} chunks); "
         f"duplicate writes skipped {e['duplicate_writes_skipped']}",
     ]
+    keep = result.get("keep")
+    if keep is not None and keep["policy"] == "learned":
+        lines.append(f"keep policy: {keep['chunks']} chunks held ({size(keep['bytes'])}), "
+                     f"{keep['ghosts']} remembered, learned from {keep['accesses']} accesses")
     pins = result.get("pins")
     if pins is not None:
         lines.append(f"pinned: {pins['entries']} chunks, {size(pins['bytes'])} of the "

@@ -39,6 +39,7 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _CODECS = ("raw", "lz4", "lz4-planes", "zstd-planes", "blosc2-lz4", "blosc2-zstd")
 _CERT_REQS = ("required", "optional", "none")
 LOAD_POLICIES = ("pays", "always")
+KEEP_POLICIES = ("learned", "redis")
 #: Fields whose value a message never repeats: a key pasted there by mistake must not be logged.
 _SECRET_FIELDS = frozenset({"integrity_key"})
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9.\-]{1,253}|[0-9A-Fa-f:.]{2,45})$")
@@ -79,6 +80,19 @@ class CacheConfig:
     store_after_window: float = 24 * 3600.0
     """Seconds an admission count lives in Redis after its first try: a chunk tried fewer than
     `store_after` times within it starts again from zero."""
+    keep_policy: str = "learned"
+    """What Redis keeps (docs/keep.md): `learned` (the default) writes a chunk Redis lacks
+    while there is room or while its class of chunks is read again often enough, and drops
+    whole chunks itself, the one its class expects read again last first, learning both
+    online from the fleet's traffic (figures kept in Redis); `redis` writes every chunk and
+    leaves eviction to the server's `maxmemory-policy` (what earlier releases did)."""
+    keep_budget: float | None = None
+    """GiB of Redis the `learned` policy fills with chunks; None: `keep_fill` of the
+    server's `maxmemory` (of every primary's, on a cluster)."""
+    keep_fill: float = 0.95
+    """With no `keep_budget`: the share of `maxmemory` the `learned` policy keeps Redis
+    under, evicting whole chunks itself, so that the server's own eviction, which drops
+    values one at a time, never has to run."""
     pin_budget: float = 1.0
     """GiB of chunks the fleet may pin (operators' pins and requests' retention together,
     counted in Redis); a pin past it is refused with a clear error."""
@@ -206,6 +220,12 @@ def _validate(cfg: CacheConfig) -> None:
         raise ConfigError("store_after", f"must be 1 or more, got {cfg.store_after}")
     for name in ("link_gbps", "link_rtt_ms", "prefill_tokens_per_s", "load_probe_interval"):
         _positive(cfg, name)
+    if cfg.keep_policy not in KEEP_POLICIES:
+        raise ConfigError("keep_policy", f"must be one of {', '.join(KEEP_POLICIES)}, got "
+                          f"{cfg.keep_policy!r}")
+    _positive(cfg, "keep_budget")
+    if not 0.0 < cfg.keep_fill <= 1.0:
+        raise ConfigError("keep_fill", f"must be in (0, 1], got {cfg.keep_fill!r}")
     if cfg.load_policy not in LOAD_POLICIES:
         raise ConfigError("load_policy", f"must be one of {', '.join(LOAD_POLICIES)}, got "
                           f"{cfg.load_policy!r}")

@@ -224,7 +224,7 @@ run_soak() { run_pytest "$@" tests/test_soak.py; }
 OLDEST_TESTS=(tests/test_storage_contract.py tests/test_engine.py tests/test_wire.py
               tests/test_redis_py_versions.py tests/test_integrity.py tests/test_put_lanes.py
               tests/test_admin.py tests/test_faults_server.py tests/test_engine_faults.py
-              tests/test_rolling_upgrade.py)
+              tests/test_rolling_upgrade.py tests/test_keep.py)
 run_oldest() {
     oldest_python -m pytest -q -p no:cacheprovider "${OLDEST_TESTS[@]}" "${COLLECT[@]}"
 }

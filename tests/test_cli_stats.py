@@ -160,9 +160,12 @@ def test_ping_names_the_server_and_warns_on_noeviction(backend_url: str, redis_f
     assert any("noeviction" in w for w in out["warnings"])
     human = run("ping", "--url", backend_url)
     assert human.exit_code == 0 and "noeviction" in human.stderr
+    needed = redis_factory("--maxmemory", "100mb", "--maxmemory-policy", "volatile-lru")
+    ok = run_json("ping", "--url", needed.url)
+    assert ok["maxmemory_policy"] == "volatile-lru" and ok["warnings"] == []
     lru = redis_factory("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
-    ok = run_json("ping", "--url", lru.url)
-    assert ok["maxmemory_policy"] == "allkeys-lru" and ok["warnings"] == []
+    warned = run_json("ping", "--url", lru.url)["warnings"]  # it defeats the keep policy
+    assert any("keep policy" in w and "volatile-lru" in w for w in warned)
 
 
 def test_ping_tells_valkey_from_redis(redis_url: str, valkey_server) -> None:

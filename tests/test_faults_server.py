@@ -219,8 +219,10 @@ def test_noeviction_full_counts_write_errors_and_reads_still_work(
     client.config_set("maxmemory-policy", "noeviction")
     rng = random.Random(11)
     first = [rng.randrange(50_000) for _ in range(2 * CHUNK)]
+    # keep_policy redis: the learned policy would evict before Redis refuses anything; this
+    # is what a full noeviction server costs an engine that leaves eviction to the server
     with engine(server.url, key_prefix, local_cpu=False, remote_timeout=TIMEOUT,
-                unhealthy_backoff=5.0) as e:
+                unhealthy_backoff=5.0, keep_policy="redis") as e:
         assert e.store(first, det_kv(first)) == len(first)
         assert e.flush() is True
         assert e.lookup(first) == len(first)
@@ -262,7 +264,11 @@ def test_allkeys_lru_serves_exact_prefixes_never_wrong_kv(
     client.config_set("maxmemory", used_memory(server) + 3 * 1024 * 1024)
     rng = random.Random(13)
     requests = [[rng.randrange(50_000) for _ in range(4 * CHUNK)] for _ in range(40)]
-    extra = {} if part_size is None else {"remote_part_size": part_size}
+    # keep_policy redis: Redis's own eviction is what this reads through (the learned policy
+    # drops whole chunks before the server would: tests/test_keep.py)
+    extra: dict[str, object] = {"keep_policy": "redis"}
+    if part_size is not None:
+        extra["remote_part_size"] = part_size
     with engine(server.url, key_prefix, local_cpu=False, store_async=False, serde="raw",
                 remote_timeout=2.0, **extra) as w:
         for i, toks in enumerate(requests):

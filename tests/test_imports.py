@@ -21,7 +21,7 @@ LAYERS: list[list[str]] = [
     ["config"],
     ["connectors", "storage"],
     ["engine", "admin"],
-    ["integrations"],
+    ["integrations", "replay"],
 ]
 #: Entries of the package root that are not modules of a layer.
 NOT_CODE = {"__init__.py", "py.typed", "__pycache__"}
@@ -145,6 +145,7 @@ STORAGE_LAYERS: list[list[str]] = [
     ["wire"],
     ["session"],
     ["value"],
+    ["keep"],
     ["chunks"],
     ["pages"],
     ["manager"],

@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_remote import CacheEngineKey, KeyFormatError
-from lmcache_remote.naming.keys import pins_key, scan_pattern, split_part_key
+from lmcache_remote.naming.keys import (
+    KEEP_PARTS,
+    keep_key,
+    keep_pattern,
+    pins_key,
+    scan_pattern,
+    split_part_key,
+)
 
 H = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 
@@ -29,6 +36,17 @@ def test_admission_count_and_pin_registry_keys_as_the_schema_gives_them() -> Non
     # neither is ever taken for a chunk by the listing, export or eviction
     assert not fnmatch.fnmatchcase(key.store_count_key("lmcr"), scan_pattern("lmcr"))
     assert not fnmatch.fnmatchcase(pins_key("lmcr"), scan_pattern("lmcr"))
+
+
+def test_keep_keys_as_the_schema_gives_them() -> None:
+    assert keep_key("lmcr", "index") == "lmcr:keep1:{lmcr}:index"
+    assert [keep_key("p", part) for part in KEEP_PARTS] == [
+        "p:keep1:{p}:index", "p:keep1:{p}:meta", "p:keep1:{p}:ghosts", "p:keep1:{p}:figures"]
+    for part in KEEP_PARTS:  # never a chunk to the listing; each under its own pattern
+        assert not fnmatch.fnmatchcase(keep_key("lmcr", part), scan_pattern("lmcr"))
+        assert fnmatch.fnmatchcase(keep_key("lmcr", part), keep_pattern("lmcr"))
+    with pytest.raises(KeyFormatError):
+        keep_key("lmcr", "other")
 
 
 def test_hostile_model_names_cannot_split_or_move_the_tag() -> None:

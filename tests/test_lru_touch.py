@@ -35,7 +35,7 @@ HOT, COLD1, COLD2 = 8 * 256, 200 * 256, 140 * 256
 
 def _store(url: str, prefix: str, toks: list[int]) -> None:
     with engine(url, prefix, store_async=False, local_cpu=False,
-                stats_publish_interval=None) as e:
+                stats_publish_interval=None, keep_policy="redis") as e:
         assert e.store(toks, det_kv(toks)) == len(toks)
 
 
@@ -45,8 +45,9 @@ def test_hot_prefixes_served_locally_stay_in_redis(
     server = redis_factory("--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10")
     client = redis.Redis.from_url(server.url)
     hot = tokens(HOT, seed=1)
+    # keep_policy redis: the LRU refresh is what a server that evicts by itself needs
     with engine(server.url, key_prefix, store_async=False, max_local_cpu_size=0.25,
-                stats_publish_interval=None, remote_lru_touch=touch) as e:
+                stats_publish_interval=None, remote_lru_touch=touch, keep_policy="redis") as e:
         assert e.store(hot, det_kv(hot)) == HOT
         hot_keys = chunk_keys(client, key_prefix)
         _store(server.url, key_prefix, tokens(COLD1, seed=2))

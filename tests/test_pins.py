@@ -156,16 +156,19 @@ def flooded_url(request: pytest.FixtureRequest) -> Iterator[str]:
         server.stop()
 
 
-def test_a_pinned_prefix_survives_a_flood_past_maxmemory(flooded_url: str,
-                                                          key_prefix: str) -> None:
+@pytest.mark.parametrize("keep", ["redis", "learned"])
+def test_a_pinned_prefix_survives_a_flood_past_maxmemory(flooded_url: str, key_prefix: str,
+                                                          keep: str) -> None:
     """A request pins its prefix (`store(..., retain=)`), another prefix is stored without a
-    pin, then a flood of one-shot prompts writes three times maxmemory: Redis evicts (the
-    unpinned prefix goes), the pinned prefix is all there and reads back bit for bit."""
+    pin, then a flood of one-shot prompts writes three times maxmemory: Redis evicts (with
+    `keep_policy: redis`) or the keep policy does, whole chunks, with Redis evicting nothing
+    (`learned`); the unpinned prefix goes, the pinned prefix is all there and reads back bit
+    for bit."""
     client = _client(flooded_url)
     nodes = len(scan_nodes(client))
     pinned, plain = tokens(N, seed=11), tokens(N, seed=12)
     kv, read = view("kv_split", BF16, N, seed=13)
-    common = dict(local_cpu=False, stats_publish_interval=None, **PARTS)
+    common = dict(local_cpu=False, stats_publish_interval=None, keep_policy=keep, **PARTS)
     with engine(flooded_url, key_prefix, **common) as e:
         assert e.store(pinned, kv, retain=3600) == N
         assert e.store(plain, kv) == N
@@ -180,7 +183,11 @@ def test_a_pinned_prefix_survives_a_flood_past_maxmemory(flooded_url: str,
             if i % 40 == 39:
                 assert e.flush()
         assert e.flush()
-    assert _evicted(client) > 0
+        policy_evicted = e.metrics.get("keep.evicted_chunks")
+    if keep == "redis":
+        assert _evicted(client) > 0
+    else:
+        assert policy_evicted > 0 and _evicted(client) == 0
     with engine(flooded_url, key_prefix, **common) as reader:
         assert reader.lookup(plain) < N  # the rest stays an LRU cache that evicts
         out, read_out = view("kv_split", BF16, N, seed=None)

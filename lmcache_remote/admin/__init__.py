@@ -41,9 +41,20 @@ from lmcache_remote.admin.evict import (
 from lmcache_remote.admin.filters import EntryFilter, parse_duration, prompt_chunk_hashes
 from lmcache_remote.admin.fleet import fleet_stats
 from lmcache_remote.admin.notouch import ReadPipeline
-from lmcache_remote.admin.server import ServerInfo, server_info
+from lmcache_remote.admin.server import (
+    ServerInfo,
+    eviction_warnings,
+    keep_warnings,
+    server_info,
+)
 from lmcache_remote.admin.snapshot import SnapshotError, SnapshotInfo
-from lmcache_remote.admin.stats import GroupStats, group_stats, memory_info, page_stats
+from lmcache_remote.admin.stats import (
+    GroupStats,
+    group_stats,
+    keep_state,
+    memory_info,
+    page_stats,
+)
 from lmcache_remote.admin.transfer import (
     TransferResult,
     export_pages,
@@ -145,7 +156,8 @@ class CacheAdmin:
         """The server, and whether this user may use the cache (`storage.access`): a refused
         command is reported in `access`, not raised, since the server itself answered."""
         with _translated(self.url):
-            info = server_info(self.client, self.config.remote_ttl)
+            info = server_info(self.client, self.config.remote_ttl, self.config.keep_policy,
+                               self.config.keep_budget)
         try:
             optional = check_access(self.config)
         except BackendPermissionError as exc:
@@ -164,6 +176,11 @@ class CacheAdmin:
             engines = fleet_stats(self.client, self.prefix)
             pins = self.pin_registry.entries()
             pinned_bytes = self.pin_registry.pinned_bytes()
+            keep = keep_state(self.client, self.prefix)
+        warnings = (eviction_warnings(mem["maxmemory_policy"], mem["maxmemory"],
+                                      self.config.remote_ttl)
+                    + keep_warnings(mem["maxmemory_policy"], mem["maxmemory"],
+                                    self.config.keep_policy, self.config.keep_budget))
         return {
             "prefix": self.prefix,
             "entries": sum(g.entries for g in groups),
@@ -177,6 +194,8 @@ class CacheAdmin:
             "pins": {"entries": len(pins), "bytes": pinned_bytes,
                      "budget_bytes": self.config.pin_budget_bytes,
                      "timed": sum(1 for p in pins.values() if p.until is not None)},
+            "keep": {"policy": self.config.keep_policy, **keep},
+            "warnings": warnings,
         }
 
     def entries(self, flt: EntryFilter | None = None, limit: int | None = None) -> Iterator[Entry]:

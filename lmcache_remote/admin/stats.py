@@ -19,7 +19,12 @@ from typing import Any
 from lmcache_remote.admin.filters import EntryFilter
 from lmcache_remote.admin.notouch import ReadPipeline
 from lmcache_remote.errors import KeyFormatError
-from lmcache_remote.naming.keys import page_scan_pattern, split_page_part_key
+from lmcache_remote.naming.keys import (
+    KEEP_PARTS,
+    keep_key,
+    page_scan_pattern,
+    split_page_part_key,
+)
 from lmcache_remote.storage.session.scan import DEFAULT_COUNT, scan_batches, scan_nodes
 
 GroupKey = tuple[str, int, int, str]
@@ -88,6 +93,18 @@ def page_stats(client: Any, prefix: str, progress: Callable[[int], None] | None 
         if progress is not None:
             progress(len(raw_keys))
     return [groups[k] for k in sorted(groups)]
+
+
+def keep_state(client: Any, prefix: str) -> dict[str, Any]:
+    """The keep policy's state under ``prefix`` (docs/keep.md): the chunks it holds, their
+    bytes, the ghosts it remembers, the accesses it learned from; zeros where it never ran."""
+    index, _, ghosts, figures = (keep_key(prefix, part) for part in KEEP_PARTS)
+    fields = client.hgetall(figures)
+    accesses = sum(int(v) for k, v in fields.items()
+                   if (k.decode() if isinstance(k, bytes) else str(k)).startswith("n:"))
+    held = fields.get(b"bytes", fields.get("bytes", 0))
+    return {"chunks": int(client.zcard(index)), "bytes": int(held or 0),
+            "ghosts": int(client.zcard(ghosts)), "accesses": accesses}
 
 
 def memory_info(client: Any) -> dict[str, Any]:

@@ -28,6 +28,9 @@ KEY_VERSION = "v1"
 COUNT_KEY_VERSION = "n1"
 #: The segment of the pin registry (`pins_key`).
 PINS_SEGMENT = "pins1"
+#: The keep policy's state (docs/key-schema.md, "Keep"): `{prefix}:keep1:{prefix}:<part>`.
+KEEP_SEGMENT = "keep1"
+KEEP_PARTS = ("index", "meta", "ghosts", "figures")
 _K = TypeVar("_K")
 PART_SEP = "#"
 _HASH_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -251,6 +254,21 @@ def pins_key(prefix: str) -> str:
     """The pin registry, a hash: `{prefix}:pins1` (docs/key-schema.md, "Pins"). It never
     matches `scan_pattern`."""
     return f"{prefix}:{PINS_SEGMENT}"
+
+
+def keep_key(prefix: str, part: str) -> str:
+    """One of the keep policy's keys: `{prefix}:keep1:{{prefix}}:<part>`, ``part`` one of
+    `KEEP_PARTS` (the index of chunks held, their meta, the ghosts, the learned figures). The
+    hash tag holds them all on one Cluster slot (its scripts touch several at once). They
+    never match `scan_pattern`."""
+    if part not in KEEP_PARTS:
+        raise KeyFormatError(f"keep part must be one of {KEEP_PARTS}, got {part!r}")
+    return f"{prefix}:{KEEP_SEGMENT}:{{{prefix}}}:{part}"
+
+
+def keep_pattern(prefix: str) -> str:
+    """A SCAN MATCH pattern for every key of the keep policy under `prefix`."""
+    return f"{_glob_escape(prefix)}:{KEEP_SEGMENT}:*"
 
 
 def store_count_pattern(prefix: str) -> str:

@@ -11,6 +11,7 @@ Folders by concept, from the bottom up (each opens with its contract; imports ru
   scatter, connection counts;
 - `value/`: one stored value's path, chunks' and pages' alike (encode and seal, check and
   decode, what a foreign or damaged value costs);
+- `keep/`: the keep policy (its judgment, its scripts, its state in Redis: `KeepBook`);
 - `chunks/`: the chunk tier in Redis (lookup, reads, writes, a cluster's, the factory);
 - `pages/`: `PageStore`, SGLang's pages;
 - `manager/`: `StorageManager`, the write-behind queue, the memory budget's shares.

@@ -73,6 +73,8 @@ class PrefixLookup:
         )
         if self._remote is not None and self._remote.toucher is not None:
             self._remote.toucher.inline = True  # the scheduler's thread sends them: no thread
+        if self._remote is not None and self._remote.keep is not None:
+            self._remote.keep.inline = True  # its hits noted, sent the same way
         self._log = RateLimitedLogger(logger)
         self.link = LinkFigures()
         startup.announce(config, role="vllm scheduler", namespace=namespaces[0].model_name,

@@ -13,7 +13,9 @@ round trip (`_keys`; the keys and packed `EXISTS` of the hot prefixes are kept b
   counted by its planned keys; a later part of it evicted is found, and the chunk deleted, by
   the `get`; docs/value-format.md). A chunk a read found foreign is reported absent for a
   while, so that this process's lookups stop promising what its reads will not serve.
-- `touch_later`: the LRU refresh of chunks a lookup promised (`toucher.Toucher`).
+- `touch_later`: the LRU refresh of chunks a lookup promised (`toucher.Toucher`), and, with
+  `keep_policy: learned`, the keep policy's note of the hit (`keep.book.KeepBook`, queued:
+  no round trip on the lookup's path).
 - Every batch goes through the tier's `session.channel.Channel`, chosen when the lookup is
   built (`open_channel`): on a single server `bulk.BulkPipeline` on redis-py's own pooled
   connections (the `EXISTS` commands packed once), on a cluster one pipeline per node, a
@@ -45,6 +47,7 @@ from lmcache_remote.errors import (
 from lmcache_remote.naming.hashing import ChunkSpec
 from lmcache_remote.naming.keys import CacheEngineKey, probe_key
 from lmcache_remote.storage.chunks.toucher import Toucher
+from lmcache_remote.storage.keep.book import KeepBook
 from lmcache_remote.storage.local.cpus import available_cpus
 from lmcache_remote.storage.local.memory import ChunkLayout
 from lmcache_remote.storage.session.channel import Channel, failed, open_channel
@@ -112,6 +115,11 @@ class RemoteLookup:
         # None with `remote_lru_touch` off: nothing is noted, no thread starts, no TOUCH is sent
         self.toucher: Toucher | None = (
             Toucher(self._send_touches, metrics, self.log) if config.remote_lru_touch else None)
+        #: the keep policy's state in Redis (None with `keep_policy: redis`)
+        self.keep: KeepBook | None = (
+            KeepBook(config, self.channel, metrics, self.log, self._nparts_bytes,
+                     layout.nbytes(config.chunk_size))
+            if config.keep_policy == "learned" else None)
         self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
         self._foreign_lock = threading.Lock()
 
@@ -124,6 +132,9 @@ class RemoteLookup:
                 self.layout.nbytes(num_tokens)
             )
         return count
+
+    def _nparts_bytes(self, raw_nbytes: int) -> int:
+        return self.serde.part_count(raw_nbytes)
 
     def _keys(self, spec: ChunkSpec) -> list[str]:
         """The chunk's part keys (cached: a prompt's chunks are asked for again and again)."""
@@ -276,12 +287,17 @@ class RemoteLookup:
 
     # -- LRU refreshes, life cycle -------------------------------------------------------
 
-    def touch_later(self, specs: Sequence[ChunkSpec]) -> None:
+    def touch_later(self, specs: Sequence[ChunkSpec], full_chunks: int | None = None) -> None:
         """Refresh these chunks' LRU clocks in Redis soon (`toucher.Toucher`): chunks a lookup
-        promised or the local tier served, which Redis does not see read. Nothing with
-        `remote_lru_touch` off."""
+        promised or the local tier served, which Redis does not see read (nothing with
+        `remote_lru_touch` off); and note them to the keep policy as hits of a request of
+        ``full_chunks`` full chunks (None: as many as the hits reach)."""
         if self.toucher is not None:
             self.toucher.note([key for spec in specs for key in self._keys(spec)])
+        if self.keep is not None and specs:
+            size = self.config.chunk_size
+            self.keep.note_hits(specs, full_chunks if full_chunks is not None
+                                else max(s.end for s in specs) // size)
 
     def stop_touching(self) -> None:
         """No more LRU refreshes (the ACL user may not TOUCH): the toucher closes, nothing
@@ -311,6 +327,8 @@ class RemoteLookup:
         closes the client: after this returns no thread of the tier does any I/O."""
         if self.toucher is not None:
             self.toucher.close()
+        if self.keep is not None:
+            self.keep.close()
         self.stop_io()
         self._join_threads()
         self.serde.close()

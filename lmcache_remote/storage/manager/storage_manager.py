@@ -95,6 +95,11 @@ class StorePlan:
         return self.need_local[i] or self.need_remote[i]
 
 
+def full_chunks(specs: Sequence[ChunkSpec], chunk_size: int) -> int:
+    """The full chunks of the request these chunks are of (as far as they reach)."""
+    return max((s.end for s in specs), default=0) // chunk_size
+
+
 class StorageManager:
     """Local tier + Redis tier + write-behind queue, behind one small API for the engine."""
 
@@ -201,7 +206,7 @@ class StorageManager:
             if count:
                 self.metrics.inc(f"{'local' if is_local else 'remote'}.lookup_hit_tokens", count)
         if hits and self.remote is not None:  # promised: Redis's LRU must see them used
-            self.remote.touch_later(specs[:hits])
+            self.remote.touch_later(specs[:hits], full_chunks(specs, self.config.chunk_size))
         return hits
 
     def _within_read_share(self, specs: Sequence[ChunkSpec], hits: int) -> int:
@@ -281,6 +286,10 @@ class StorageManager:
                     remote_has = timed(self.metrics, "remote.contains_seconds",
                                        self.remote.contains, specs)
                 need_remote = [not p for p in remote_has]
+                if self.remote.keep is not None:  # the keep policy's admission (docs/keep.md)
+                    kept = self.remote.keep.plan(specs, remote_has,
+                                                 full_chunks(specs, self.config.chunk_size))
+                    need_remote = [n and k for n, k in zip(need_remote, kept, strict=True)]
             except BackendError as exc:
                 self.metrics.inc("remote.dropped_chunks", n)
                 note_remote_failure(self.metrics, self._log, "plan", exc,

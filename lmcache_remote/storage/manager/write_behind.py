@@ -198,15 +198,21 @@ def put_remote(remote: RedisTier, metrics: Metrics, log: RateLimitedLogger,
                keys: list[CacheEngineKey], objs: list[MemoryObj]) -> list[bool]:
     """Write chunks to Redis now, timed and counted; per chunk, whether it landed. A failure
     is a counted, logged drop."""
+    if remote.keep is not None:  # room under the keep budget first: no server eviction
+        remote.keep.make_room(objs)
     try:
         landed = timed(metrics, "remote.put_seconds", remote.put_each, keys, objs)
     except BackendError as exc:
         metrics.inc("remote.dropped_chunks", len(keys))
         note_remote_failure(metrics, log, "write", exc, "dropped %d chunk writes: %s",
                             len(keys), exc)
+        if remote.keep is not None:
+            remote.keep.landed(keys, objs, [False] * len(keys))
         return [False] * len(keys)
     if not all(landed):
         metrics.inc("remote.dropped_chunks", landed.count(False))
+    if remote.keep is not None:  # held from now on, or remembered; evicts past the budget
+        remote.keep.landed(keys, objs, landed)
     metrics.inc("remote.stored_tokens",
                 sum(num_tokens(o) for o, ok in zip(objs, landed, strict=True) if ok))
     return landed

@@ -37,13 +37,17 @@ from lmcache_remote.storage.wire.commands import chunk_write_command
 #: PEXPIRE per value, EXEC on a single server, on a cluster EVAL of a script that SETs each
 #: value with PX; admission counts (`store_after`): EVAL of a script that runs EXISTS, INCR,
 #: PEXPIRE; pins (`storage.pins`): EVAL of scripts over the registry hash (HGET HSET HDEL
-#: HGETALL), PERSIST and PEXPIRE of the chunks' values; fleet stats: HSET EXPIRE; the access
-#: check: PING).
+#: HGETALL), PERSIST and PEXPIRE of the chunks' values; fleet stats: HSET EXPIRE; the keep
+#: policy (`storage.keep`): HMGET HGET HGETALL HSET of its hashes, EVAL of its scripts (ZADD
+#: ZREM ZSCORE ZCARD ZPOPMIN HINCRBY HDEL TIME, and PTTL UNLINK of a dropped chunk's values),
+#: INFO for its budget; the access check: PING).
 ENGINE_COMMANDS = ("ping", "exists", "get", "getrange", "set", "mset", "eval", "unlink", "hset",
                    "expire", "touch", "multi", "exec", "pexpire", "incr", "persist", "hget",
-                   "hdel", "hgetall")
+                   "hdel", "hgetall", "hmget", "hincrby", "zadd", "zrem", "zscore", "zcard",
+                   "zpopmin", "time", "pttl", "info")
 #: Commands the CLI adds (listing, inspecting, exporting, stats, eviction).
-ADMIN_COMMANDS = ("scan", "strlen", "object|idletime", "pttl", "mget", "hgetall", "info")
+ADMIN_COMMANDS = ("scan", "strlen", "object|idletime", "pttl", "mget", "hgetall", "info",
+                  "zcard")
 #: What the CLI's reads add where the server has it (Redis 7.2 and newer, Valkey; Redis 7.0
 #: refuses it in ACL SETUSER): `CLIENT NO-TOUCH`, so that listing, stats and export leave the
 #: keys' LRU clocks alone (admin.notouch). Without the right they touch them, as on Redis 7.0.
