@@ -91,7 +91,8 @@ def run(server: LocalRedis, requests: list[tuple[str, list[int]]], row: dict[str
     meta = EngineMetadata("keep-bench", 1, 0, torch.bfloat16, 4, 4, 64)
     config = CacheConfig(remote_url=server.url, key_prefix="keep", local_cpu=False,
                          store_async=False, stats_publish_interval=None, load_policy="always",
-                         store_after=row["store_after"], pin_budget=0.05)
+                         store_after=row["store_after"], pin_budget=0.05,
+                         keep_policy="redis")  # issue 44's rows: Redis's own eviction
     caches = [torch.randn(2, 64, 16, 4, 64).to(torch.bfloat16) for _ in range(4)]
     slots = torch.arange(4 * CHUNK, dtype=torch.int64)
     hits = {"popular": [0, 0], "system": [0, 0]}

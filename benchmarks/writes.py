@@ -79,7 +79,11 @@ def _tier(server: LocalRedis, source: TierSource, before: bool) -> contenders.Co
 
 def _store(server: LocalRedis, shape: Shape, kv: Any, dest: Any, num_tokens: int,
            before: bool) -> contenders.Contender:
-    e = CacheEngine(_config(server.url, "raw", local_cpu=False), shape.metadata())
+    # keep_policy redis: on the full server the filler is Redis's to evict (volatile-ttl); the
+    # learned policy keeps its own chunks under its line and would drop them on a server full
+    # of other data (docs/keep.md)
+    e = CacheEngine(_config(server.url, "raw", local_cpu=False, keep_policy="redis"),
+                    shape.metadata())
     tokens = list(range(num_tokens))
     salts = itertools.count()
     salt = ["s"]

@@ -80,3 +80,21 @@ def test_writes_benchmark_runs_in_tiny_mode(tmp_path: Path) -> None:
         assert set(got) == names, server
         assert all(0 < r["low"] <= r["gbps"] <= r["high"] for r in got.values())
     assert "store + flush / plain socket" in proc.stdout
+
+
+def test_keep_traces_benchmark_runs_in_tiny_mode(tmp_path: Path) -> None:
+    """`benchmarks.keep_traces`: both shared traces, a replay per keep policy beside every
+    simulated policy, one document a trace."""
+    out = tmp_path / "keep.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.keep_traces", "--tiny",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    docs = json.loads(out.read_text())
+    assert len(docs) == 2
+    for doc in docs:
+        names = {r["row"] for r in doc["rows"]}
+        assert {"replay: learned", "replay: redis", "simulated: optimum",
+                "simulated: lru"} <= names
+        assert all(0.0 <= r["hit_rate"] <= 1.0 for r in doc["rows"])
+    assert "| simulated: optimum |" in proc.stdout

@@ -132,7 +132,7 @@ def plot(doc: dict[str, Any], path: str | Path, title: str | None = None) -> Pat
     series: dict[str, list[tuple[int, float]]] = {}
     for row in doc["rows"]:
         series.setdefault(row["row"], []).append((row["capacity_tokens"], row["hit_rate"]))
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(9.0, 4.5))
     for name, points in sorted(series.items()):
         points.sort()
         xs = [p[0] for p in points]
@@ -151,7 +151,7 @@ def plot(doc: dict[str, Any], path: str | Path, title: str | None = None) -> Pat
     ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
     ax.set_title(title or f"{Path(doc['trace']).name}: hit rate against capacity")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata={"Date": None} if path.suffix == ".svg" else None)

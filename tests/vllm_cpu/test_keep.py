@@ -19,7 +19,9 @@ keep policy `learned` among them, and synchronous stores) and `redis` (the same 
 - `learned`: Redis's own eviction never runs (`evicted_keys` 0), the flood's chunks are
   refused once the cache is full (their classes learned as never read again), turn 1's 8
   chunks stay whole, turn 2 loads its 2,048 tokens from Redis, and its output equals vLLM's
-  own prefix-cache hit of the same length, bit for bit.
+  own prefix-cache hit of the same length, bit for bit; turn 2's own new chunk is then
+  written into the full cache (a conversation's later turn is of a class the flood never
+  taught), turn 1's chunks still whole beside it.
 - `redis`: every flood chunk is written, Redis evicts (`volatile-lru`), turn 1 loses chunks,
   and turn 2 loads fewer than 2,048 tokens.
 
@@ -93,11 +95,11 @@ def turns(seed: int) -> tuple[list[int], list[int]]:
     return first, first + prompt(300, seed + 1)
 
 
-def stored(client: redis.Redis, prefix: str, tokens: list[int]
+def stored(client: redis.Redis, prefix: str, tokens: list[int], length: int = SHARED
            ) -> dict[str, tuple[CacheEngineKey, set[int]]]:
-    """The first 2,048 tokens' chunks in Redis: chunk hash -> (its key, the part indexes
-    there)."""
-    hashes = {h.hex() for h in chunk_hashes(tokens_to_array(tokens[:SHARED]), CHUNK,
+    """The chunks of the first ``length`` tokens in Redis: chunk hash -> (its key, the part
+    indexes there)."""
+    hashes = {h.hex() for h in chunk_hashes(tokens_to_array(tokens[:length]), CHUNK,
                                             partial=False)}
     found: dict[str, tuple[CacheEngineKey, set[int]]] = {}
     for raw in client.scan_iter(match=scan_pattern(prefix), count=1000):
@@ -176,6 +178,9 @@ def test_a_conversation_outlives_a_flood_of_one_shot_prompts(
     out = engine.generate(second)  # prefix caching off: turn 1's prefix from Redis
     assert out["cached"] == SHARED
     same(out, own_hit(engines, first, second, "learned"))
+    now = stored(client, engines.prefix, second, len(second) // CHUNK * CHUNK)
+    assert len(now) == len(second) // CHUNK, "turn 2's new chunk was not written"
+    assert {h: now[h] for h in before} == before
     engines.close("learned")
     client.close()
 

@@ -132,7 +132,8 @@ class PrefixLookup:
             hits = min(hits, next((i for i, ok in enumerate(found) if not ok), len(specs)))
         hits = self._within_read_share(per_ns[0], hits)
         if hits:  # promised: Redis's LRU must see them used (EXISTS does not refresh it)
-            self._remote.touch_later([spec for specs in per_ns for spec in specs[:hits]])
+            self._remote.touch_later([spec for specs in per_ns for spec in specs[:hits]],
+                                     len(arr) // self.chunk_size)
         hit_tokens = per_ns[0][hits - 1].end if hits else 0
         self.metrics.inc("lookup.hit_tokens", hit_tokens)
         return hit_tokens
@@ -225,7 +226,7 @@ class GroupLookup(PrefixLookup):
         if hits:  # promised: Redis's LRU must see them used (EXISTS does not refresh it)
             self._remote.touch_later([
                 spec for g, per_group in enumerate(specs) for per_ns in per_group
-                for spec in per_ns[self._first_chunk(g, hits):hits]])
+                for spec in per_ns[self._first_chunk(g, hits):hits]], len(arr) // cs)
         hit_tokens = hits * cs
         self.metrics.inc("lookup.hit_tokens", hit_tokens)
         return hit_tokens

@@ -137,19 +137,22 @@ class KeepBook:
     # -- hits --------------------------------------------------------------------------------
 
     def note_hits(self, specs: Sequence[ChunkSpec], full_chunks: int) -> None:
-        """The leading chunks a lookup promised (see the module doc); no I/O (but inline)."""
+        """The leading chunks a lookup promised (see the module doc); no I/O (but inline).
+        ``specs`` may hold several runs (the vLLM scheduler's namespaces one after another):
+        a chunk's parent is the one before it in its own run."""
         if not specs:
             return
         size = self.config.chunk_size
-        depth = specs[-1].start // size + 1
+        depth = max(spec.end for spec in specs) // size
         entries = []
-        parent = ""
+        parent, parent_end = "", -1
         for spec in specs:
             index = spec.start // size
             member = self.member(spec.key)
             klass = policy.chunk_class(index, max(full_chunks, depth), depth, True)
-            entries.append((member, str(klass), "h", 0, 0, parent))
-            parent = member
+            entries.append((member, str(klass), "h", 0, 0,
+                            parent if spec.start == parent_end else ""))
+            parent, parent_end = member, spec.end
         self._enqueue(entries)
         if self.inline and time.monotonic() - self._flushed_at >= FLUSH_SECONDS:
             self.flush()
@@ -446,7 +449,7 @@ class KeepBook:
                 return
             thread = self._thread
         try:
-            if not self.inline or self._queue:
+            if self._queue:
                 self.flush()
         finally:
             with self._cond:
