@@ -14,8 +14,11 @@ Policies (`POLICIES`): ``lru`` (a block stored when missed, a hit refreshes it),
 (Belady with bypass: a block not used again is never stored, and when full the block used
 farthest in the future goes, or the new block is not stored when its next use is farther
 than every resident's: the offline optimum the issue measures against, an upper bound no
-online policy reaches), and the published online policies of `replay.published`. Every policy
-counts the blocks it writes.
+online policy reaches), ``keep`` (`KeepSim`: this project's keep policy with its state in
+memory), and beside them the published online policies of `replay.published`. Every policy
+counts the blocks it writes. The offline optimum is "optimal" in the usual, block-level sense
+(the bound the issue and the caching literature use); it does not weigh that a block is worth
+nothing without its parents, so a prefix-aware offline policy could do a little better.
 """
 
 from __future__ import annotations

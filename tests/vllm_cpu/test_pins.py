@@ -105,11 +105,14 @@ def test_store_after_two_the_second_request_stores_and_the_third_hits(
 
 
 def flood(server: RedisServer, prefix: str, nbytes: int) -> None:
-    """One-shot chunks of another model namespace, `nbytes` of them, straight into Redis."""
+    """One-shot chunks of another model namespace, `nbytes` of them, straight into Redis, by
+    a writer that leaves eviction to Redis (`keep_policy: redis`): this module shows a pin
+    holding under Redis's own eviction; tests/vllm_cpu/test_keep.py floods the keep policy."""
     meta = EngineMetadata("flood", 1, 0, torch.bfloat16, 4, 4, 64)
     caches = [torch.randn(2, 64, 16, 4, 64).to(torch.bfloat16) for _ in range(4)]
     config = CacheConfig(remote_url=server.url, key_prefix=prefix, local_cpu=False,
-                         stats_publish_interval=None, load_policy="always")
+                         stats_publish_interval=None, load_policy="always",
+                         keep_policy="redis")
     per_prompt = 1024 * 2 * 4 * 4 * 64 * 2  # 1,024 tokens of 4 KiB
     with CacheEngine(config, meta) as engine:
         for i in range(nbytes // per_prompt + 1):
