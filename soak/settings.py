@@ -91,6 +91,10 @@ class SoakSettings:
             "stats_publish_interval": None,
             "remote_lru_touch": self.lru_touch,
             "integrity_key": self.integrity_key,
+            # the soak's server evicts by itself (allkeys-lru, squeezes of maxmemory): what it
+            # judges is the cache under Redis's own eviction; the keep policy (docs/keep.md)
+            # is not soaked yet
+            "keep_policy": "redis",
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -55,7 +55,7 @@ FIGURES_SECONDS = 1.0
 INFO_SECONDS = 0.5
 #: The share of the fill line the bytes held may move by before the server's memory is read
 #: again, however soon.
-INFO_SHARE = 1 / 32
+INFO_SHARE = 1 / 64
 #: What one chunk's entry in the keep state costs the server, about (its member in a sorted
 #: set and in the meta hash, and the meta): what a burst of ghosts adds to its memory.
 STATE_COST = 256
