@@ -117,7 +117,7 @@ class RemoteLookup:
             Toucher(self._send_touches, metrics, self.log) if config.remote_lru_touch else None)
         #: the keep policy's state in Redis (None with `keep_policy: redis`)
         self.keep: KeepBook | None = (
-            KeepBook(config, self.channel, metrics, self.log, self._nparts_bytes,
+            KeepBook(config, self.channel, metrics, self.log, self.serde.part_count,
                      layout.nbytes(config.chunk_size))
             if config.keep_policy == "learned" else None)
         self._foreign: dict[CacheEngineKey, float] = {}  # key -> when found foreign
@@ -132,9 +132,6 @@ class RemoteLookup:
                 self.layout.nbytes(num_tokens)
             )
         return count
-
-    def _nparts_bytes(self, raw_nbytes: int) -> int:
-        return self.serde.part_count(raw_nbytes)
 
     def _keys(self, spec: ChunkSpec) -> list[str]:
         """The chunk's part keys (cached: a prompt's chunks are asked for again and again)."""
@@ -294,10 +291,8 @@ class RemoteLookup:
         ``full_chunks`` full chunks (None: as many as the hits reach)."""
         if self.toucher is not None:
             self.toucher.note([key for spec in specs for key in self._keys(spec)])
-        if self.keep is not None and specs:
-            size = self.config.chunk_size
-            self.keep.note_hits(specs, full_chunks if full_chunks is not None
-                                else max(s.end for s in specs) // size)
+        if self.keep is not None:  # None: note_hits counts as far as the hits reach
+            self.keep.note_hits(specs, full_chunks or 0)
 
     def stop_touching(self) -> None:
         """No more LRU refreshes (the ACL user may not TOUCH): the toucher closes, nothing
